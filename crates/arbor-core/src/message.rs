@@ -1,0 +1,321 @@
+//! The internal message format (`shared/seeds/provider-model.txt`): one shape
+//! for every provider. Adapters translate it to and from their wire formats;
+//! nothing else in Arbor sees a provider's format.
+//!
+//! A [`Message`] is what a model reads; a [`Node`] is a message stored in a
+//! conversation's tree, with its id, parent and provenance.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::Millis;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Role> {
+        match text {
+            "system" => Some(Role::System),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            "tool" => Some(Role::Tool),
+            _ => None,
+        }
+    }
+}
+
+/// How a tool call ended, as the model is told in the tool result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolStatus {
+    Success,
+    Error,
+    /// The turn stopped before the tool answered; written by branch repair so
+    /// that every tool call keeps a matching result.
+    Cancelled,
+    Denied,
+}
+
+/// One tool call an assistant message asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// Parsed JSON arguments (an object for well-behaved models).
+    pub arguments: Value,
+    /// Opaque provider data that must travel back with this call, verbatim,
+    /// to the provider that produced it (Gemini's `thoughtSignature`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<ProviderOpaque>,
+}
+
+/// Provider data Arbor does not interpret but must send back byte-for-byte
+/// to the same provider, and drop when the history goes to another one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderOpaque {
+    /// The provider kind that produced it (`anthropic`, `gemini`, `openai`).
+    pub provider: String,
+    pub data: String,
+}
+
+/// A piece of a message beside its plain text content.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Part {
+    /// An image the model should see. `url` is a reachable URL; `data` is
+    /// base64 of the bytes. At least one is set when sent to a provider.
+    Image {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        media_id: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        url: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mime_type: Option<String>,
+    },
+    /// The model's reasoning. `signature` (Anthropic) must go back unchanged.
+    Thinking {
+        text: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signature: Option<ProviderOpaque>,
+    },
+    /// Reasoning the provider encrypted (Anthropic `redacted_thinking`).
+    RedactedThinking { data: ProviderOpaque },
+}
+
+/// A message as a model reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    /// Text, or null (an assistant message that only calls tools).
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<Part>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_status: Option<ToolStatus>,
+}
+
+impl Message {
+    pub fn text(role: Role, content: impl Into<String>) -> Message {
+        Message {
+            role,
+            content: Some(content.into()),
+            parts: Vec::new(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            tool_name: None,
+            tool_status: None,
+        }
+    }
+
+    pub fn system(content: impl Into<String>) -> Message {
+        Message::text(Role::System, content)
+    }
+
+    pub fn user(content: impl Into<String>) -> Message {
+        Message::text(Role::User, content)
+    }
+
+    pub fn assistant(content: impl Into<String>) -> Message {
+        Message::text(Role::Assistant, content)
+    }
+
+    /// A tool result message answering `call`.
+    pub fn tool_result(call: &ToolCall, status: ToolStatus, content: impl Into<String>) -> Message {
+        Message {
+            role: Role::Tool,
+            content: Some(content.into()),
+            parts: Vec::new(),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(call.id.clone()),
+            tool_name: Some(call.name.clone()),
+            tool_status: Some(status),
+        }
+    }
+
+    /// Characters a model reads in this message, for token estimation.
+    pub fn char_len(&self) -> usize {
+        let text = self.content.as_deref().map_or(0, str::len);
+        let calls: usize = self
+            .tool_calls
+            .iter()
+            .map(|call| call.name.len() + call.arguments.to_string().len())
+            .sum();
+        let parts: usize = self
+            .parts
+            .iter()
+            .map(|part| match part {
+                Part::Thinking { text, .. } => text.len(),
+                // A typical image costs on the order of a thousand tokens.
+                Part::Image { .. } => 4 * 1000,
+                Part::RedactedThinking { .. } => 0,
+            })
+            .sum();
+        text + calls + parts
+    }
+}
+
+/// Whether a stored message is complete. A message cut short by a
+/// cancellation, an error or a crash is kept, marked `interrupted`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeStatus {
+    #[default]
+    Complete,
+    Interrupted,
+}
+
+impl NodeStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeStatus::Complete => "complete",
+            NodeStatus::Interrupted => "interrupted",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<NodeStatus> {
+        match text {
+            "complete" => Some(NodeStatus::Complete),
+            "interrupted" => Some(NodeStatus::Interrupted),
+            _ => None,
+        }
+    }
+}
+
+/// A message stored as a node of a conversation's tree.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    /// Unique within the conversation; client-chosen or generated.
+    pub id: String,
+    pub conversation_id: String,
+    pub parent_id: Option<String>,
+    #[serde(flatten)]
+    pub message: Message,
+    /// The model that wrote it (assistant messages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The provider that served `model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copied_from: Option<String>,
+    #[serde(default)]
+    pub status: NodeStatus,
+    #[serde(with = "crate::ids::serde_rfc3339")]
+    pub created_at: Millis,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn seed_messages_round_trip() {
+        // The four shapes of shared/seeds/provider-model.txt.
+        let seeds = [
+            json!({"role": "system", "content": "You are a clinical reasoning assistant..."}),
+            json!({"role": "assistant", "content": "The differential diagnosis for chest pain includes..."}),
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_abc123", "name": "web_search", "arguments": {"query": "chest pain differential diagnosis"}}
+            ]}),
+            json!({"role": "tool", "tool_call_id": "call_abc123", "tool_name": "web_search",
+                   "content": "{\"results\": [...]}", "tool_status": "success"}),
+        ];
+        for seed in seeds {
+            let message: Message = serde_json::from_value(seed.clone()).expect("seed parses");
+            assert_eq!(serde_json::to_value(&message).expect("serializes"), seed);
+        }
+    }
+
+    #[test]
+    fn parts_round_trip_with_opaque_provider_data() {
+        let message = Message {
+            role: Role::Assistant,
+            content: Some("42".into()),
+            parts: vec![
+                Part::Thinking {
+                    text: "let me add".into(),
+                    signature: Some(ProviderOpaque {
+                        provider: "anthropic".into(),
+                        data: "EqQBCkYI==".into(),
+                    }),
+                },
+                Part::RedactedThinking {
+                    data: ProviderOpaque {
+                        provider: "anthropic".into(),
+                        data: "opaque".into(),
+                    },
+                },
+                Part::Image {
+                    media_id: Some("m1".into()),
+                    url: None,
+                    data: Some("aGk=".into()),
+                    mime_type: Some("image/png".into()),
+                },
+            ],
+            tool_calls: vec![ToolCall {
+                id: "c1".into(),
+                name: "add".into(),
+                arguments: json!({"a": 1}),
+                signature: Some(ProviderOpaque {
+                    provider: "gemini".into(),
+                    data: "sig".into(),
+                }),
+            }],
+            tool_call_id: None,
+            tool_name: None,
+            tool_status: None,
+        };
+        let text = serde_json::to_string(&message).expect("serializes");
+        let back: Message = serde_json::from_str(&text).expect("parses");
+        assert_eq!(back, message);
+    }
+
+    #[test]
+    fn node_flattens_its_message_and_shows_rfc3339_time() {
+        let node = Node {
+            id: "u1".into(),
+            conversation_id: "c".into(),
+            parent_id: None,
+            message: Message::user("hi"),
+            model: None,
+            provider: None,
+            turn_id: None,
+            copied_from: None,
+            status: NodeStatus::Complete,
+            created_at: 0,
+        };
+        let value = serde_json::to_value(&node).expect("serializes");
+        assert_eq!(value["role"], "user");
+        assert_eq!(value["content"], "hi");
+        assert_eq!(value["created_at"], "1970-01-01T00:00:00Z");
+        let back: Node = serde_json::from_value(value).expect("parses");
+        assert_eq!(back, node);
+    }
+}

@@ -1,0 +1,1 @@
+//! SSE decoding of provider response bodies.

@@ -1,0 +1,168 @@
+//! Persistence. The [`Store`] trait is everything the engine may ask of a
+//! database; [`sqlite::SqliteStore`] (the embedded default) and
+//! [`postgres::PostgresStore`] (several nodes on one database) implement it,
+//! each with its own migrations. Only this crate knows SQL.
+//!
+//! Every read of user data takes the owner's id, so a query can never reach
+//! another user's rows. Ids and timestamps arrive made (by the engine) and are
+//! stored as given.
+#![forbid(unsafe_code)]
+
+pub mod records;
+pub mod sqlite;
+
+use arbor_core::{Event, Node};
+use async_trait::async_trait;
+
+pub use records::*;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found")]
+    NotFound,
+    /// A uniqueness rule was broken (a user name, a message id in its
+    /// conversation, a second running turn).
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The head moved since the caller read it.
+    #[error("the head version is {current}, not the expected one")]
+    HeadVersionMismatch { current: i64 },
+    #[error("database error: {0}")]
+    Database(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> StoreError {
+        match &error {
+            sqlx::Error::RowNotFound => StoreError::NotFound,
+            sqlx::Error::Database(database) if database.is_unique_violation() => {
+                StoreError::Conflict(database.message().to_string())
+            }
+            _ => StoreError::Database(error.to_string()),
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Opens the store a database URL names: `sqlite://PATH` (created if
+/// missing) or `postgres://…`. Migrations are applied.
+pub async fn open(database_url: &str) -> StoreResult<std::sync::Arc<dyn Store>> {
+    if database_url.starts_with("sqlite:") {
+        // The SQLite store lands with the store work; until then, say so.
+        let _ = sqlite::SqliteStore::open(database_url).await?;
+        Err(StoreError::Database(
+            "the sqlite store is not built yet".into(),
+        ))
+    } else {
+        Err(StoreError::Database(format!(
+            "unsupported database url {database_url:?}: use sqlite://PATH"
+        )))
+    }
+}
+
+/// Everything Arbor keeps. Implementations must be safe to share between
+/// tasks; each method is one transaction unless it says otherwise.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    // ---- users and keys ----
+
+    /// Creates a user. `Conflict` when the name is taken.
+    async fn create_user(&self, user: &User) -> StoreResult<()>;
+    async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>>;
+    async fn user(&self, user_id: &str) -> StoreResult<Option<User>>;
+    async fn count_users(&self) -> StoreResult<u64>;
+    /// Stores a key (only its SHA-256 hash).
+    async fn create_api_key(&self, key: &ApiKey) -> StoreResult<()>;
+    /// The user a key hash belongs to, if the key exists and is not revoked.
+    async fn user_by_key_hash(&self, key_hash: &str) -> StoreResult<Option<User>>;
+
+    // ---- conversations ----
+
+    async fn create_conversation(&self, conversation: &Conversation) -> StoreResult<()>;
+    /// The owner's conversation, or `None` (also when someone else owns it).
+    async fn conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+    ) -> StoreResult<Option<Conversation>>;
+    /// The owner's conversations, newest first (by `created_at`, then id),
+    /// starting after `cursor` when given.
+    async fn list_conversations(
+        &self,
+        owner_id: &str,
+        cursor: Option<&ConversationCursor>,
+        limit: u32,
+    ) -> StoreResult<Vec<Conversation>>;
+    /// Changes title / system prompt / default model (fields that are `Some`).
+    async fn update_conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+        update: &ConversationUpdate,
+    ) -> StoreResult<Conversation>;
+    /// Deletes the conversation and everything in it.
+    async fn delete_conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<()>;
+    /// Moves the head; bumps `head_version`. With `expected_version`, fails
+    /// with `HeadVersionMismatch` (changing nothing) when it differs.
+    async fn set_head(
+        &self,
+        conversation_id: &str,
+        head_id: Option<&str>,
+        expected_version: Option<i64>,
+        updated_at: arbor_core::ids::Millis,
+    ) -> StoreResult<i64>;
+
+    // ---- messages (tree nodes) ----
+
+    /// Inserts nodes in order, in one transaction, and moves the head to the
+    /// last one (bumping `head_version`). `Conflict` when an id exists in the
+    /// conversation (nothing is written then).
+    async fn append_messages(
+        &self,
+        nodes: &[Node],
+        updated_at: arbor_core::ids::Millis,
+    ) -> StoreResult<i64>;
+    /// Every node of the conversation, in creation order.
+    async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>>;
+    async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>>;
+    /// Replaces a stored node's content, parts, tool calls and status (an
+    /// interrupted reply being kept, a repaired branch).
+    async fn update_message(&self, node: &Node) -> StoreResult<()>;
+
+    // ---- turns ----
+
+    async fn insert_turn(&self, turn: &Turn) -> StoreResult<()>;
+    /// Writes the turn's status, totals, error and times.
+    async fn update_turn(&self, turn: &Turn) -> StoreResult<()>;
+    async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>>;
+    /// Turns in one of `statuses`, across all conversations (crash recovery).
+    async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>>;
+
+    // ---- model calls, cost and quota ----
+
+    /// In one transaction: stores `message` (if any; a new node, or an update
+    /// of an existing one with the same id), the api call, a ledger row
+    /// charging `call.cost_micro_usd` credits to `call.user_id`, and deducts
+    /// that from the user's balance (when the user has one).
+    async fn record_call(&self, call: &ApiCall, message: Option<&Node>)
+    -> StoreResult<LedgerEntry>;
+    async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>>;
+    async fn ledger(&self, user_id: &str, limit: u32) -> StoreResult<Vec<LedgerEntry>>;
+    /// Sets a user's credit balance (`None`: unlimited).
+    async fn set_balance(&self, user_id: &str, balance: Option<i64>) -> StoreResult<()>;
+
+    // ---- events ----
+
+    /// Appends events (already numbered) in one transaction.
+    async fn append_events(&self, events: &[Event]) -> StoreResult<()>;
+    /// Events of a conversation with `seq > after`, in order, at most `limit`.
+    async fn events_after(
+        &self,
+        conversation_id: &str,
+        after: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<Event>>;
+    /// The highest stored `seq` of a conversation (0 when none).
+    async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64>;
+}

@@ -1,0 +1,155 @@
+//! The rows the store keeps, as plain Rust values.
+
+use arbor_core::Usage;
+use arbor_core::ids::Millis;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct User {
+    pub id: String,
+    pub name: String,
+    pub is_admin: bool,
+    /// Credits left (1 credit = 1 micro-dollar); `None` is unlimited.
+    pub balance_credits: Option<i64>,
+    pub created_at: Millis,
+}
+
+/// An API key, kept only as the SHA-256 of the key (hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    pub id: String,
+    pub user_id: String,
+    pub key_hash: String,
+    /// The first characters of the key, to tell keys apart in listings.
+    pub prefix: String,
+    pub created_at: Millis,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Conversation {
+    pub id: String,
+    pub owner_id: String,
+    pub title: Option<String>,
+    pub system_prompt: Option<String>,
+    pub preset_id: Option<String>,
+    /// The default model for new turns.
+    pub model: String,
+    pub head_id: Option<String>,
+    /// Bumped on every head move, for optimistic concurrency.
+    pub head_version: i64,
+    pub summary: Option<String>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConversationUpdate {
+    pub title: Option<String>,
+    pub system_prompt: Option<String>,
+    pub model: Option<String>,
+    pub updated_at: Millis,
+}
+
+/// Where a page of conversations starts: after this (created_at, id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConversationCursor {
+    pub created_at: Millis,
+    pub id: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TurnStatus {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+    Interrupted,
+}
+
+impl TurnStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnStatus::Queued => "queued",
+            TurnStatus::Running => "running",
+            TurnStatus::Succeeded => "succeeded",
+            TurnStatus::Failed => "failed",
+            TurnStatus::Cancelled => "cancelled",
+            TurnStatus::Interrupted => "interrupted",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<TurnStatus> {
+        [
+            TurnStatus::Queued,
+            TurnStatus::Running,
+            TurnStatus::Succeeded,
+            TurnStatus::Failed,
+            TurnStatus::Cancelled,
+            TurnStatus::Interrupted,
+        ]
+        .into_iter()
+        .find(|status| status.as_str() == text)
+    }
+
+    pub fn is_finished(self) -> bool {
+        !matches!(self, TurnStatus::Queued | TurnStatus::Running)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Turn {
+    pub id: String,
+    pub conversation_id: String,
+    pub user_id: String,
+    /// The user message that started it.
+    pub user_message_id: String,
+    pub status: TurnStatus,
+    pub model: String,
+    /// Model calls made so far.
+    pub iterations: u32,
+    pub usage: Usage,
+    pub cost_micro_usd: u64,
+    /// The final assistant message, once there is one.
+    pub reply_message_id: Option<String>,
+    pub error_code: Option<String>,
+    pub error_message: Option<String>,
+    pub created_at: Millis,
+    pub started_at: Option<Millis>,
+    pub finished_at: Option<Millis>,
+}
+
+/// One provider call (chat or summary).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApiCall {
+    pub id: String,
+    pub turn_id: Option<String>,
+    pub conversation_id: Option<String>,
+    pub user_id: String,
+    /// `chat` or `summary`.
+    pub kind: String,
+    pub provider: String,
+    pub model: String,
+    pub usage: Usage,
+    pub latency_ms: u64,
+    /// Time to the first streamed chunk, when streamed.
+    pub ttft_ms: Option<u64>,
+    /// `ok`, `error` or `cancelled`.
+    pub status: String,
+    pub error_code: Option<String>,
+    pub cost_micro_usd: u64,
+    pub created_at: Millis,
+}
+
+/// One charge against a user's credits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerEntry {
+    pub id: String,
+    pub user_id: String,
+    pub api_call_id: String,
+    pub credits: i64,
+    /// The balance after this charge; `None` for unlimited users.
+    pub balance_after: Option<i64>,
+    pub created_at: Millis,
+}
