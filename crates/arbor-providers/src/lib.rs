@@ -5,8 +5,11 @@
 //! state, price calls or retry: that is the engine's work.
 #![forbid(unsafe_code)]
 
+pub mod anthropic;
 pub mod collect;
 pub mod demo;
+pub mod gemini;
+pub mod http;
 pub mod openai;
 pub mod registry;
 pub mod sse;
