@@ -12,6 +12,7 @@ pub mod event;
 pub mod ids;
 pub mod message;
 pub mod tokens;
+pub mod tree;
 
 pub use cost::{Cost, Prices, Usage};
 pub use error::{ErrorCode, ProviderError};

@@ -1,1 +1,528 @@
-//! placeholder
+//! The turn orchestrator. The engine owns conversations at run time: it makes
+//! every id and timestamp, records the user's message before any model is
+//! called, runs each turn as a task of its own (a client that goes away does
+//! not stop it), numbers and fans out the conversation's events, and records
+//! what every model call cost. It knows nothing of HTTP.
+#![forbid(unsafe_code)]
+
+pub mod error;
+mod hub;
+pub mod keys;
+pub mod models;
+pub mod stream;
+mod turn;
+mod writer;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arbor_core::ids::{new_id, now_millis};
+use arbor_core::message::NodeStatus;
+use arbor_core::{EventName, Message, Node};
+use arbor_store::{ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn, TurnStatus, User};
+use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use error::{EngineError, EngineResult};
+pub use models::{Models, ResolvedModel};
+pub use stream::{EventStream, Until};
+pub use turn::TurnOutcome;
+
+use crate::hub::{Hub, RunningTurn};
+use crate::writer::EventWriter;
+
+/// Limits on a turn (DESIGN.md §5).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_tool_rounds: u32,
+    pub max_parallel_tools: u32,
+    pub tool_timeout: Duration,
+    pub turn_timeout: Duration,
+    /// Longest message text accepted, in bytes.
+    pub max_message_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_tool_rounds: 10,
+            max_parallel_tools: 5,
+            tool_timeout: Duration::from_secs(30),
+            turn_timeout: Duration::from_secs(120),
+            max_message_bytes: 256 * 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct EngineConfig {
+    pub limits: Limits,
+}
+
+/// A new conversation's settings.
+#[derive(Debug, Clone, Default)]
+pub struct NewConversation {
+    pub title: Option<String>,
+    pub model: Option<String>,
+    pub system_prompt: Option<String>,
+}
+
+/// A user message that starts a turn.
+#[derive(Debug, Clone, Default)]
+pub struct Submit {
+    pub content: String,
+    pub model: Option<String>,
+    /// A client-chosen message id.
+    pub id: Option<String>,
+    /// Where to attach the message (default: the head).
+    pub parent_id: Option<String>,
+}
+
+/// A started turn: its row, the user message, the turn's own event stream
+/// (from `turn.started` to `done`/`error`), and a way to wait for its end.
+pub struct TurnHandle {
+    pub turn: Turn,
+    pub user_message: Node,
+    pub events: EventStream,
+    outcome: watch::Receiver<Option<TurnOutcome>>,
+}
+
+impl TurnHandle {
+    /// Waits until the turn has finished and been recorded.
+    pub async fn outcome(mut self) -> EngineResult<TurnOutcome> {
+        drop(self.events);
+        let outcome = self
+            .outcome
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| EngineError::Internal("the turn task ended without an outcome".into()))?;
+        outcome.clone().ok_or_else(|| EngineError::Internal("the turn has no outcome".into()))
+    }
+}
+
+/// A conversation with its whole tree.
+#[derive(Debug, Clone)]
+pub struct ConversationTree {
+    pub conversation: Conversation,
+    pub messages: Vec<Node>,
+}
+
+/// A turn with its api calls.
+#[derive(Debug, Clone)]
+pub struct TurnDetails {
+    pub turn: Turn,
+    pub api_calls: Vec<ApiCall>,
+}
+
+pub(crate) struct Inner {
+    pub store: Arc<dyn Store>,
+    pub models: Models,
+    pub config: EngineConfig,
+    hubs: Mutex<HashMap<String, Arc<Hub>>>,
+    writer: EventWriter,
+    tracker: TaskTracker,
+    /// Set when the server stops accepting turns.
+    closing: CancellationToken,
+    /// Cancelled when the shutdown grace period ends: running turns stop
+    /// and are recorded as interrupted.
+    pub interrupt: CancellationToken,
+    /// Recently seen API keys (hash → user, when checked), so that a busy
+    /// client does not cost a database read per request.
+    key_cache: Mutex<HashMap<String, (User, Instant)>>,
+}
+
+/// How long an authenticated key is trusted without asking the store again.
+const KEY_CACHE_TTL: Duration = Duration::from_secs(30);
+/// Hubs quiet for this long (and fully stored) may leave memory.
+const HUB_IDLE: Duration = Duration::from_secs(300);
+
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl Engine {
+    /// Starts the engine: the event writer, and recovery of turns a previous
+    /// process left running (they are marked interrupted).
+    pub async fn start(store: Arc<dyn Store>, models: Models, config: EngineConfig) -> EngineResult<Engine> {
+        let (writer, _task) = EventWriter::start(store.clone());
+        let engine = Engine {
+            inner: Arc::new(Inner {
+                store,
+                models,
+                config,
+                hubs: Mutex::new(HashMap::new()),
+                writer,
+                tracker: TaskTracker::new(),
+                closing: CancellationToken::new(),
+                interrupt: CancellationToken::new(),
+                key_cache: Mutex::new(HashMap::new()),
+            }),
+        };
+        engine.recover_interrupted_turns().await?;
+        Ok(engine)
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    pub fn models(&self) -> &Models {
+        &self.inner.models
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.inner.config.limits
+    }
+
+    // ---- users and keys ----
+
+    /// The user a bearer key belongs to.
+    pub async fn authenticate(&self, key: &str) -> EngineResult<Option<User>> {
+        let hash = keys::hash_key(key);
+        {
+            let cache = lock(&self.inner.key_cache);
+            if let Some((user, seen)) = cache.get(&hash)
+                && seen.elapsed() < KEY_CACHE_TTL
+            {
+                return Ok(Some(user.clone()));
+            }
+        }
+        let user = self.inner.store.user_by_key_hash(&hash).await?;
+        let mut cache = lock(&self.inner.key_cache);
+        if cache.len() > 10_000 {
+            cache.retain(|_, (_, seen)| seen.elapsed() < KEY_CACHE_TTL);
+        }
+        match &user {
+            Some(user) => cache.insert(hash, (user.clone(), Instant::now())),
+            None => cache.remove(&hash),
+        };
+        Ok(user)
+    }
+
+    pub async fn create_user(&self, name: &str, is_admin: bool) -> EngineResult<(User, String)> {
+        keys::create_user(self.inner.store.as_ref(), name, is_admin).await
+    }
+
+    pub async fn create_key(&self, user_name: &str) -> EngineResult<String> {
+        keys::create_key(self.inner.store.as_ref(), user_name).await
+    }
+
+    // ---- conversations ----
+
+    pub async fn create_conversation(&self, user: &User, new: NewConversation) -> EngineResult<Conversation> {
+        let model = match new.model {
+            Some(model) => {
+                self.inner.models.resolve(&model)?;
+                model
+            }
+            None => self.inner.models.default_model().to_string(),
+        };
+        validate_text("title", new.title.as_deref(), 1024)?;
+        validate_text("system_prompt", new.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
+        let now = now_millis();
+        let conversation = Conversation {
+            id: new_id(),
+            owner_id: user.id.clone(),
+            title: new.title,
+            system_prompt: new.system_prompt,
+            preset_id: None,
+            model,
+            head_id: None,
+            head_version: 0,
+            summary: None,
+            created_at: now,
+            updated_at: now,
+        };
+        self.inner.store.create_conversation(&conversation).await?;
+        Ok(conversation)
+    }
+
+    pub async fn conversation(&self, user: &User, conversation_id: &str) -> EngineResult<Conversation> {
+        self.inner
+            .store
+            .conversation(&user.id, conversation_id)
+            .await?
+            .ok_or(EngineError::NotFound("conversation"))
+    }
+
+    pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
+        let conversation = self.conversation(user, conversation_id).await?;
+        let messages = self.inner.store.messages(&conversation.id).await?;
+        Ok(ConversationTree { conversation, messages })
+    }
+
+    pub async fn list_conversations(&self, user: &User, cursor: Option<ConversationCursor>, limit: u32) -> EngineResult<Vec<Conversation>> {
+        Ok(self.inner.store.list_conversations(&user.id, cursor.as_ref(), limit.clamp(1, 100)).await?)
+    }
+
+    pub async fn update_conversation(&self, user: &User, conversation_id: &str, mut update: ConversationUpdate) -> EngineResult<Conversation> {
+        if let Some(model) = &update.model {
+            self.inner.models.resolve(model)?;
+        }
+        validate_text("title", update.title.as_deref(), 1024)?;
+        validate_text("system_prompt", update.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
+        update.updated_at = now_millis();
+        self.inner.store.update_conversation(&user.id, conversation_id, &update).await.map_err(not_found("conversation"))
+    }
+
+    pub async fn delete_conversation(&self, user: &User, conversation_id: &str) -> EngineResult<()> {
+        let conversation = self.conversation(user, conversation_id).await?;
+        if let Some(running) = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.running()) {
+            running.cancel.cancel();
+        }
+        self.inner.store.delete_conversation(&user.id, conversation_id).await.map_err(not_found("conversation"))
+    }
+
+    // ---- turns ----
+
+    /// Records the user's message and starts a turn on it.
+    pub async fn submit(&self, user: &User, conversation_id: &str, submit: Submit) -> EngineResult<TurnHandle> {
+        if self.inner.closing.is_cancelled() {
+            return Err(EngineError::ShuttingDown);
+        }
+        let conversation = self.conversation(user, conversation_id).await?;
+        if submit.content.trim().is_empty() {
+            return Err(EngineError::InvalidInput("content must not be empty".into()));
+        }
+        validate_text("content", Some(&submit.content), self.inner.config.limits.max_message_bytes)?;
+        let model = self.inner.models.resolve(submit.model.as_deref().unwrap_or(&conversation.model))?;
+        if let Some(id) = &submit.id {
+            validate_message_id(id)?;
+        }
+        let parent_id = match submit.parent_id {
+            Some(parent_id) => {
+                self.inner
+                    .store
+                    .message(&conversation.id, &parent_id)
+                    .await?
+                    .ok_or_else(|| EngineError::InvalidInput(format!("parent_id {parent_id:?} is not a message of this conversation")))?;
+                Some(parent_id)
+            }
+            None => conversation.head_id.clone(),
+        };
+        // The quota is read fresh: the key cache may hold an old balance.
+        let fresh_user = self.inner.store.user(&user.id).await?.ok_or(EngineError::NotFound("user"))?;
+        if fresh_user.balance_credits.is_some_and(|balance| balance <= 0) {
+            return Err(EngineError::QuotaExceeded);
+        }
+
+        let hub = self.hub(&conversation.id).await?;
+        let turn_id: Arc<str> = Arc::from(new_id());
+        let cancel = CancellationToken::new();
+        hub.claim(RunningTurn { turn_id: turn_id.clone(), cancel: cancel.clone() })
+            .map_err(|running| EngineError::TurnRunning { turn_id: running.to_string() })?;
+
+        match self.start_turn(&hub, fresh_user, conversation, model, submit.content, submit.id, parent_id, turn_id.clone(), cancel).await {
+            Ok(handle) => Ok(handle),
+            Err(error) => {
+                hub.release(&turn_id);
+                Err(error)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn start_turn(
+        &self,
+        hub: &Arc<Hub>,
+        user: User,
+        conversation: Conversation,
+        model: ResolvedModel,
+        content: String,
+        message_id: Option<String>,
+        parent_id: Option<String>,
+        turn_id: Arc<str>,
+        cancel: CancellationToken,
+    ) -> EngineResult<TurnHandle> {
+        let now = now_millis();
+        let user_message = Node {
+            id: message_id.unwrap_or_else(new_id),
+            conversation_id: conversation.id.clone(),
+            parent_id,
+            message: Message::user(content),
+            model: None,
+            provider: None,
+            turn_id: Some(turn_id.to_string()),
+            copied_from: None,
+            status: NodeStatus::Complete,
+            created_at: now,
+        };
+        // The user's message is durable before anything else happens.
+        self.inner.store.append_messages(std::slice::from_ref(&user_message), now).await.map_err(|error| match error {
+            StoreError::Conflict(_) => EngineError::Conflict(format!("message id {:?} already exists in this conversation", user_message.id)),
+            other => other.into(),
+        })?;
+        let turn = Turn {
+            id: turn_id.to_string(),
+            conversation_id: conversation.id.clone(),
+            user_id: user.id.clone(),
+            user_message_id: user_message.id.clone(),
+            status: TurnStatus::Running,
+            model: model.info.id.clone(),
+            iterations: 0,
+            usage: Default::default(),
+            cost_micro_usd: 0,
+            reply_message_id: None,
+            error_code: None,
+            error_message: None,
+            created_at: now,
+            started_at: Some(now),
+            finished_at: None,
+        };
+        self.inner.store.insert_turn(&turn).await.map_err(|error| match error {
+            // Another process runs a turn on this conversation.
+            StoreError::Conflict(_) => EngineError::Conflict("another turn is running on this conversation".into()),
+            other => other.into(),
+        })?;
+
+        let (last_seq, subscription) = hub.subscribe_live();
+        hub.emit(Some(&turn_id), EventName::TurnStarted, &json!({"turn_id": &*turn_id, "message_id": user_message.id, "model": model.info.id}));
+        hub.emit(Some(&turn_id), EventName::MessageNew, &json!({ "message": user_message }));
+        let events = stream::follow(self.inner.store.clone(), hub.clone(), subscription, last_seq, Until::TurnEnds(turn_id.clone()));
+
+        let (outcome_sender, outcome) = watch::channel(None);
+        let task = turn::TurnTask {
+            inner: self.inner.clone(),
+            hub: hub.clone(),
+            user,
+            conversation,
+            turn: turn.clone(),
+            turn_id,
+            model,
+            cancel,
+            outcome: outcome_sender,
+            deadline: Instant::now() + self.inner.config.limits.turn_timeout,
+            llm_trace_id: String::new(),
+            retry_after_secs: None,
+        };
+        self.inner.tracker.spawn(task.run());
+        Ok(TurnHandle { turn, user_message, events, outcome })
+    }
+
+    /// The events of a conversation after `after`, then live ones.
+    pub async fn events(&self, user: &User, conversation_id: &str, after: i64, until: Until) -> EngineResult<EventStream> {
+        let conversation = self.conversation(user, conversation_id).await?;
+        let hub = self.hub(&conversation.id).await?;
+        let subscription = hub.subscribe(after);
+        Ok(stream::follow(self.inner.store.clone(), hub, subscription, after, until))
+    }
+
+    pub async fn turn_details(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<TurnDetails> {
+        let conversation = self.conversation(user, conversation_id).await?;
+        let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
+        let api_calls = self.inner.store.api_calls(&turn.id).await?;
+        Ok(TurnDetails { turn, api_calls })
+    }
+
+    /// Stops a running turn now. Cancelling a finished turn changes nothing.
+    pub async fn cancel_turn(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<Turn> {
+        let conversation = self.conversation(user, conversation_id).await?;
+        let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
+        if let Some(running) = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.running())
+            && &*running.turn_id == turn_id
+        {
+            running.cancel.cancel();
+        }
+        Ok(turn)
+    }
+
+    // ---- lifecycle ----
+
+    /// Stops accepting turns, lets running ones finish for `grace`, then
+    /// interrupts the rest (recorded as `interrupted`) and stores every event.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.inner.closing.cancel();
+        self.inner.tracker.close();
+        if tokio::time::timeout(grace, self.inner.tracker.wait()).await.is_err() {
+            tracing::warn!("turns still running after the grace period; interrupting them");
+            self.inner.interrupt.cancel();
+            self.inner.tracker.wait().await;
+        }
+        self.inner.writer.flush().await;
+    }
+
+    /// Waits until every event emitted so far is stored (tests, shutdown).
+    pub async fn flush_events(&self) {
+        self.inner.writer.flush().await;
+    }
+
+    async fn hub(&self, conversation_id: &str) -> EngineResult<Arc<Hub>> {
+        if let Some(hub) = self.hub_if_loaded(conversation_id) {
+            return Ok(hub);
+        }
+        let last_seq = self.inner.store.last_event_seq(conversation_id).await?;
+        let mut hubs = lock(&self.inner.hubs);
+        if hubs.len() >= 1024 {
+            hubs.retain(|_, hub| !hub.is_idle(HUB_IDLE));
+        }
+        let hub = hubs
+            .entry(conversation_id.to_string())
+            .or_insert_with(|| Arc::new(Hub::new(conversation_id, last_seq, self.inner.writer.clone())));
+        Ok(hub.clone())
+    }
+
+    fn hub_if_loaded(&self, conversation_id: &str) -> Option<Arc<Hub>> {
+        lock(&self.inner.hubs).get(conversation_id).cloned()
+    }
+
+    /// Marks turns a crashed process left running as interrupted, and tells
+    /// any viewer that resumes their stream.
+    async fn recover_interrupted_turns(&self) -> EngineResult<()> {
+        let stale = self.inner.store.turns_with_status(&[TurnStatus::Running, TurnStatus::Queued]).await?;
+        for mut turn in stale {
+            tracing::warn!(turn_id = %turn.id, conversation_id = %turn.conversation_id, "marking a turn left running by a previous process as interrupted");
+            turn.status = TurnStatus::Interrupted;
+            turn.error_code = Some("interrupted".into());
+            turn.error_message = Some("the server stopped during this turn; send the message again".into());
+            turn.finished_at = Some(now_millis());
+            self.inner.store.update_turn(&turn).await?;
+            let hub = self.hub(&turn.conversation_id).await?;
+            let turn_id: Arc<str> = Arc::from(turn.id.as_str());
+            hub.emit(
+                Some(&turn_id),
+                EventName::Error,
+                &json!({"turn_id": turn.id, "code": "interrupted", "message": turn.error_message}),
+            );
+        }
+        self.inner.writer.flush().await;
+        Ok(())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn not_found(what: &'static str) -> impl Fn(StoreError) -> EngineError {
+    move |error| match error {
+        StoreError::NotFound => EngineError::NotFound(what),
+        other => other.into(),
+    }
+}
+
+fn validate_text(field: &str, text: Option<&str>, max_bytes: usize) -> EngineResult<()> {
+    match text {
+        Some(text) if text.len() > max_bytes => Err(EngineError::InvalidInput(format!(
+            "{field} is {} bytes; the limit is {max_bytes}",
+            text.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Client-chosen message ids: 1–128 printable characters, no whitespace.
+fn validate_message_id(id: &str) -> EngineResult<()> {
+    let valid = !id.is_empty() && id.len() <= 128 && id.chars().all(|c| c.is_ascii_graphic());
+    if valid {
+        Ok(())
+    } else {
+        Err(EngineError::InvalidInput(format!(
+            "message id {id:?} is not valid: use 1-128 printable ASCII characters without spaces"
+        )))
+    }
+}
+

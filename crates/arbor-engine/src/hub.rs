@@ -1,0 +1,177 @@
+//! A conversation's hub: the in-memory side of a busy conversation. It numbers
+//! the conversation's events, fans them out to every live viewer, keeps the
+//! recent ones for viewers that reconnect, and holds the turn slot (one
+//! running turn per conversation).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use arbor_core::ids::now_millis;
+use arbor_core::{Event, EventName};
+use serde::Serialize;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use crate::writer::EventWriter;
+
+/// Live viewers may fall this many events behind before they resynchronise
+/// from the recent buffer and the store.
+const BROADCAST_CAPACITY: usize = 1024;
+/// Recent events kept in memory once stored (unstored ones are always kept).
+const RECENT_KEPT: usize = 4096;
+
+/// The turn that holds the conversation's slot.
+#[derive(Clone)]
+pub(crate) struct RunningTurn {
+    pub turn_id: Arc<str>,
+    pub cancel: CancellationToken,
+}
+
+struct HubState {
+    next_seq: i64,
+    /// The latest events, oldest first; covers every event not yet stored.
+    recent: VecDeque<Event>,
+    running: Option<RunningTurn>,
+    last_active: Instant,
+}
+
+fn to_json(payload: &impl Serialize) -> Arc<str> {
+    // Payloads are plain structs and json! values: serializing cannot fail.
+    serde_json::to_string(payload).unwrap_or_else(|_| "{}".to_string()).into()
+}
+
+pub(crate) struct Hub {
+    pub conversation_id: Arc<str>,
+    state: Mutex<HubState>,
+    sender: broadcast::Sender<Event>,
+    writer: EventWriter,
+    /// Highest seq the writer has stored.
+    flushed: Arc<AtomicI64>,
+}
+
+/// What a new viewer gets: the recent events after its position, and a
+/// receiver for everything after those.
+pub(crate) struct Subscription {
+    pub backlog: Vec<Event>,
+    /// The oldest seq the backlog could hold; earlier events come from the store.
+    pub memory_from: i64,
+    pub receiver: broadcast::Receiver<Event>,
+}
+
+impl Hub {
+    pub(crate) fn new(conversation_id: &str, last_seq: i64, writer: EventWriter) -> Hub {
+        let (sender, _) = broadcast::channel(BROADCAST_CAPACITY);
+        Hub {
+            conversation_id: Arc::from(conversation_id),
+            state: Mutex::new(HubState {
+                next_seq: last_seq + 1,
+                recent: VecDeque::new(),
+                running: None,
+                last_active: Instant::now(),
+            }),
+            sender,
+            writer,
+            flushed: Arc::new(AtomicI64::new(last_seq)),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HubState> {
+        // A panic while holding this lock cannot leave the state half-written
+        // (every update is a few field assignments), so poisoning is ignored.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Numbers, stores (batched) and broadcasts one event.
+    pub(crate) fn emit(&self, turn_id: Option<&Arc<str>>, name: EventName, payload: &impl Serialize) -> Event {
+        let data = to_json(payload);
+        let mut state = self.lock();
+        self.emit_locked(&mut state, turn_id, name, data)
+    }
+
+    /// Frees the turn slot and emits the turn's closing event atomically, so
+    /// that no event of a next turn can come before it.
+    pub(crate) fn finish(&self, turn_id: &Arc<str>, name: EventName, payload: &impl Serialize) -> Event {
+        let data = to_json(payload);
+        let mut state = self.lock();
+        if state.running.as_ref().is_some_and(|running| running.turn_id == *turn_id) {
+            state.running = None;
+        }
+        self.emit_locked(&mut state, Some(turn_id), name, data)
+    }
+
+    fn emit_locked(&self, state: &mut HubState, turn_id: Option<&Arc<str>>, name: EventName, data: Arc<str>) -> Event {
+        let event = Event {
+            seq: state.next_seq,
+            conversation_id: self.conversation_id.clone(),
+            turn_id: turn_id.cloned(),
+            name,
+            data,
+            created_at: now_millis(),
+        };
+        state.next_seq += 1;
+        state.last_active = Instant::now();
+        state.recent.push_back(event.clone());
+        let flushed = self.flushed.load(Ordering::Acquire);
+        while state.recent.len() > RECENT_KEPT && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed) {
+            state.recent.pop_front();
+        }
+        // Sending under the lock keeps the broadcast order equal to seq order.
+        let _ = self.sender.send(event.clone());
+        self.writer.write(event.clone(), self.flushed.clone());
+        event
+    }
+
+    /// Subscribes a viewer to events from now on; returns the last seq
+    /// emitted before the subscription.
+    pub(crate) fn subscribe_live(&self) -> (i64, Subscription) {
+        let state = self.lock();
+        let receiver = self.sender.subscribe();
+        let last = state.next_seq - 1;
+        (last, Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver })
+    }
+
+    /// Subscribes a viewer that has seen everything up to `after`.
+    pub(crate) fn subscribe(&self, after: i64) -> Subscription {
+        let state = self.lock();
+        let receiver = self.sender.subscribe();
+        let memory_from = state.recent.front().map_or(state.next_seq, |oldest| oldest.seq);
+        let backlog = state.recent.iter().filter(|event| event.seq > after).cloned().collect();
+        Subscription { backlog, memory_from, receiver }
+    }
+
+    /// Claims the turn slot, or returns the turn that holds it.
+    pub(crate) fn claim(&self, turn: RunningTurn) -> Result<(), Arc<str>> {
+        let mut state = self.lock();
+        if let Some(running) = &state.running {
+            return Err(running.turn_id.clone());
+        }
+        state.running = Some(turn);
+        state.last_active = Instant::now();
+        Ok(())
+    }
+
+    /// Frees the slot if `turn_id` holds it.
+    pub(crate) fn release(&self, turn_id: &str) {
+        let mut state = self.lock();
+        if state.running.as_ref().is_some_and(|running| &*running.turn_id == turn_id) {
+            state.running = None;
+        }
+        state.last_active = Instant::now();
+    }
+
+    pub(crate) fn running(&self) -> Option<RunningTurn> {
+        self.lock().running.clone()
+    }
+
+    /// Whether the hub can be dropped from memory without losing anything:
+    /// no turn, no viewer, every event stored, and quiet for a while.
+    pub(crate) fn is_idle(&self, quiet_for: std::time::Duration) -> bool {
+        let state = self.lock();
+        state.running.is_none()
+            && self.sender.receiver_count() == 0
+            && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1
+            && state.last_active.elapsed() >= quiet_for
+    }
+}

@@ -1,0 +1,410 @@
+//! One turn, run as a task the engine owns: build the model's input, stream
+//! the call, forward every chunk as events, and record the reply, the api
+//! call and its charge. A client that disconnects does not stop it; a cancel,
+//! the turn's deadline or a server shutdown does, and then whatever the model
+//! wrote so far is kept, marked interrupted.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arbor_core::event::{DonePayload, ErrorPayload};
+use arbor_core::ids::{new_id, now_millis};
+use arbor_core::message::NodeStatus;
+use arbor_core::tree::Tree;
+use arbor_core::{Cost, ErrorCode, EventName, Message, Node, ProviderError, Usage};
+use arbor_providers::{ChatRequest, Chunk, Collected};
+use arbor_store::{ApiCall, Conversation, Turn, TurnStatus, User};
+use futures_util::StreamExt;
+use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::Inner;
+use crate::hub::Hub;
+use crate::models::ResolvedModel;
+
+/// How a finished turn ended, for callers that wait (the JSON mode).
+#[derive(Debug, Clone)]
+pub struct TurnOutcome {
+    pub turn: Turn,
+    /// The assistant message it produced (possibly interrupted).
+    pub reply: Option<Node>,
+}
+
+/// Why a model call stopped before the provider finished it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopped {
+    Cancelled,
+    TimedOut,
+    /// The server is going down; the turn is `interrupted`.
+    Shutdown,
+}
+
+pub(crate) struct TurnTask {
+    pub inner: Arc<Inner>,
+    pub hub: Arc<Hub>,
+    pub user: User,
+    pub conversation: Conversation,
+    pub turn: Turn,
+    pub turn_id: Arc<str>,
+    pub model: ResolvedModel,
+    pub cancel: CancellationToken,
+    pub outcome: watch::Sender<Option<TurnOutcome>>,
+    /// When the turn's time limit runs out.
+    pub deadline: Instant,
+    /// The `llm_request` trace card of the call in flight.
+    pub llm_trace_id: String,
+    /// The provider's `retry-after`, passed on in the `error` event.
+    pub retry_after_secs: Option<u64>,
+}
+
+/// What one model call produced.
+struct CallResult {
+    collected: Collected,
+    usage: Usage,
+    latency_ms: u64,
+    ttft_ms: Option<u64>,
+    failure: Option<Failure>,
+}
+
+#[derive(Debug, Clone)]
+enum Failure {
+    Provider(ProviderError),
+    Stopped(Stopped),
+}
+
+impl TurnTask {
+    pub(crate) async fn run(mut self) {
+        let started = Instant::now();
+        tracing::info!(turn_id = %self.turn_id, conversation_id = %self.conversation.id, model = %self.model.info.id, "turn started");
+        let reply = match self.drive().await {
+            Ok(reply) => reply,
+            Err(error) => {
+                // A store failure mid-turn: the turn cannot be recorded as
+                // finished normally; say so to the viewers and free the slot.
+                tracing::error!(turn_id = %self.turn_id, %error, "turn failed on a server fault");
+                self.turn.status = TurnStatus::Failed;
+                self.turn.error_code = Some(ErrorCode::Internal.as_str().into());
+                self.turn.error_message = Some("the server could not record this turn".into());
+                None
+            }
+        };
+        self.turn.finished_at = Some(now_millis());
+        if let Err(error) = self.inner.store.update_turn(&self.turn).await {
+            tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
+        }
+        self.finish_events(reply.as_ref());
+        tracing::info!(
+            turn_id = %self.turn_id,
+            status = self.turn.status.as_str(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            cost_micro_usd = self.turn.cost_micro_usd,
+            "turn finished"
+        );
+        let _ = self.outcome.send(Some(TurnOutcome { turn: self.turn.clone(), reply }));
+    }
+
+    /// Releases the turn slot and emits the closing `done` or `error` in one
+    /// step, so the next turn's events always follow this turn's end.
+    fn finish_events(&self, reply: Option<&Node>) {
+        let turn = &self.turn;
+        match (turn.status, reply) {
+            (TurnStatus::Succeeded, Some(reply)) => {
+                let cost = Cost { micro_usd: turn.cost_micro_usd };
+                let latency_ms = turn.finished_at.zip(turn.started_at).map_or(0, |(end, start)| (end - start).max(0) as u64);
+                let payload = DonePayload {
+                    turn_id: turn.id.clone(),
+                    message_id: reply.id.clone(),
+                    model: self.model.info.id.clone(),
+                    input_tokens: turn.usage.input_tokens,
+                    output_tokens: turn.usage.output_tokens,
+                    thinking_tokens: turn.usage.thinking_tokens,
+                    cached_tokens: turn.usage.cached_tokens,
+                    latency_ms,
+                    cost_credits: cost.credits(),
+                    cost_cents_usd: cost.cents_usd(),
+                };
+                self.hub.finish(&self.turn_id, EventName::Done, &payload);
+            }
+            _ => {
+                let payload = ErrorPayload {
+                    turn_id: Some(turn.id.clone()),
+                    code: turn.error_code.clone().unwrap_or_else(|| ErrorCode::Internal.as_str().into()),
+                    message: turn.error_message.clone().unwrap_or_else(|| "the turn failed".into()),
+                    retry_after: self.retry_after_secs,
+                };
+                self.hub.finish(&self.turn_id, EventName::Error, &payload);
+            }
+        }
+    }
+
+    /// Runs the model call and records it. Returns the assistant message.
+    async fn drive(&mut self) -> Result<Option<Node>, arbor_store::StoreError> {
+        let nodes = self.inner.store.messages(&self.conversation.id).await?;
+        let tree = Tree::new(nodes);
+        let path: Vec<Message> = tree
+            .path_to(&self.turn.user_message_id)
+            .into_iter()
+            .filter(|node| !(node.status == NodeStatus::Interrupted && node.message.content.as_deref().unwrap_or("").is_empty()))
+            .map(|node| node.message.clone())
+            .collect();
+        let parent_id = self.turn.user_message_id.clone();
+
+        let request = ChatRequest {
+            model: self.model.info.upstream_name().to_string(),
+            system: self.conversation.system_prompt.clone(),
+            messages: path,
+            tools: Vec::new(),
+            max_output_tokens: None,
+            temperature: None,
+            reasoning: None,
+        };
+        let result = self.call_model(request).await;
+
+        // Price what the provider reported, even for a call that failed or
+        // was cut short: the provider bills for it.
+        let cost = self.model.info.prices.cost(&result.usage);
+        self.turn.iterations += 1;
+        self.turn.usage.add(&result.usage);
+        self.turn.cost_micro_usd += cost.micro_usd;
+
+        let has_output = !result.collected.text.is_empty() || !result.collected.tool_calls.is_empty() || !result.collected.parts.is_empty();
+        let reply = (result.failure.is_none() || has_output).then(|| Node {
+            id: new_id(),
+            conversation_id: self.conversation.id.clone(),
+            parent_id: Some(parent_id),
+            message: result.collected.message(),
+            model: Some(self.model.info.id.clone()),
+            provider: Some(self.model.info.provider.clone()),
+            turn_id: Some(self.turn.id.clone()),
+            copied_from: None,
+            status: if result.failure.is_none() { NodeStatus::Complete } else { NodeStatus::Interrupted },
+            created_at: now_millis(),
+        });
+
+        let (status, error_code) = match &result.failure {
+            None => ("ok", None),
+            Some(Failure::Stopped(Stopped::Cancelled)) => ("cancelled", Some(ErrorCode::Cancelled)),
+            Some(Failure::Stopped(Stopped::Shutdown)) => ("cancelled", Some(ErrorCode::Cancelled)),
+            Some(Failure::Stopped(Stopped::TimedOut)) => ("error", Some(ErrorCode::Timeout)),
+            Some(Failure::Provider(error)) => ("error", Some(error.code)),
+        };
+        let call = ApiCall {
+            id: new_id(),
+            turn_id: Some(self.turn.id.clone()),
+            conversation_id: Some(self.conversation.id.clone()),
+            user_id: self.user.id.clone(),
+            kind: "chat".into(),
+            provider: self.model.info.provider.clone(),
+            model: self.model.info.id.clone(),
+            usage: result.usage,
+            latency_ms: result.latency_ms,
+            ttft_ms: result.ttft_ms,
+            status: status.into(),
+            error_code: error_code.map(|code| code.as_str().to_string()),
+            cost_micro_usd: cost.micro_usd,
+            created_at: now_millis(),
+        };
+        self.inner.store.record_call(&call, reply.as_ref()).await?;
+        if let Some(reply) = &reply {
+            self.inner.store.set_head(&self.conversation.id, Some(&reply.id), None, now_millis()).await?;
+        }
+
+        self.hub.emit(
+            Some(&self.turn_id),
+            EventName::TraceEnd,
+            &json!({
+                "id": self.llm_trace_id,
+                "type": "llm_request",
+                "model": self.model.info.id,
+                "provider": self.model.info.provider,
+                "status": status,
+                "input_tokens": result.usage.input_tokens,
+                "output_tokens": result.usage.output_tokens,
+                "thinking_tokens": result.usage.thinking_tokens,
+                "cached_tokens": result.usage.cached_tokens,
+                "latency_ms": result.latency_ms,
+                "ttft_ms": result.ttft_ms,
+                "cost_credits": cost.credits(),
+                "cost_cents_usd": cost.cents_usd(),
+            }),
+        );
+        if let Some(reply) = &reply {
+            self.hub.emit(Some(&self.turn_id), EventName::MessageNew, &json!({ "message": reply }));
+        }
+
+        match result.failure {
+            None => {
+                self.turn.status = TurnStatus::Succeeded;
+                self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
+            }
+            Some(failure) => {
+                let (turn_status, code, message) = match failure {
+                    Failure::Stopped(Stopped::Cancelled) => (TurnStatus::Cancelled, ErrorCode::Cancelled, "the turn was cancelled".to_string()),
+                    Failure::Stopped(Stopped::Shutdown) => {
+                        (TurnStatus::Interrupted, ErrorCode::Cancelled, "the server shut down during the turn; send the message again".to_string())
+                    }
+                    Failure::Stopped(Stopped::TimedOut) => (
+                        TurnStatus::Failed,
+                        ErrorCode::Timeout,
+                        format!("the turn took longer than its limit of {} s", self.inner.config.limits.turn_timeout.as_secs()),
+                    ),
+                    Failure::Provider(error) => {
+                        self.retry_after_secs = error.retry_after.map(|delay| delay.as_secs().max(1));
+                        (TurnStatus::Failed, error.code, error.message)
+                    }
+                };
+                if turn_status != TurnStatus::Cancelled && turn_status != TurnStatus::Interrupted {
+                    let trace_id = new_id();
+                    self.hub.emit(Some(&self.turn_id), EventName::TraceStart, &json!({"id": trace_id, "type": "error", "code": code, "message": message}));
+                    self.hub.emit(Some(&self.turn_id), EventName::TraceEnd, &json!({"id": trace_id, "type": "error"}));
+                }
+                self.turn.status = turn_status;
+                self.turn.error_code = Some(code.as_str().to_string());
+                self.turn.error_message = Some(message);
+                self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
+            }
+        }
+        Ok(reply)
+    }
+
+    /// Streams one model call, forwarding chunks as events as they come.
+    async fn call_model(&mut self, request: ChatRequest) -> CallResult {
+        let estimated_input = arbor_core::tokens::estimate_messages(&request.messages);
+        self.llm_trace_id = new_id();
+        self.hub.emit(
+            Some(&self.turn_id),
+            EventName::TraceStart,
+            &json!({
+                "id": self.llm_trace_id,
+                "type": "llm_request",
+                "model": self.model.info.id,
+                "provider": self.model.info.provider,
+                "iteration": self.turn.iterations + 1,
+            }),
+        );
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(self.deadline);
+        let mut collected = Collected::default();
+        let mut forwarder = ChunkForwarder::default();
+        let mut ttft_ms = None;
+
+        let provider = self.model.provider.clone();
+        let opened = tokio::select! {
+            biased;
+            stop = self.stopped() => Err(Failure::Stopped(stop)),
+            _ = tokio::time::sleep_until(deadline) => Err(Failure::Stopped(Stopped::TimedOut)),
+            opened = provider.stream(request) => opened.map_err(Failure::Provider),
+        };
+        let failure = match opened {
+            Err(failure) => Some(failure),
+            Ok(mut stream) => loop {
+                let next = tokio::select! {
+                    biased;
+                    stop = self.stopped() => break Some(Failure::Stopped(stop)),
+                    _ = tokio::time::sleep_until(deadline) => break Some(Failure::Stopped(Stopped::TimedOut)),
+                    next = stream.next() => next,
+                };
+                match next {
+                    None => break None,
+                    Some(Err(error)) => break Some(Failure::Provider(error)),
+                    Some(Ok(chunk)) => {
+                        ttft_ms.get_or_insert_with(|| started.elapsed().as_millis() as u64);
+                        forwarder.forward(&self.hub, &self.turn_id, &chunk);
+                        collected.push(&chunk);
+                    }
+                }
+            },
+        };
+        forwarder.close(&self.hub, &self.turn_id);
+        let collected = collected.finish();
+        // A server that reports no usage (some OpenAI-compatible ones) is
+        // charged by estimate rather than not at all.
+        let usage = collected.usage.unwrap_or_else(|| {
+            if failure.is_some() && ttft_ms.is_none() {
+                Usage::default()
+            } else {
+                Usage {
+                    input_tokens: estimated_input,
+                    output_tokens: arbor_core::tokens::estimate_from_chars(collected.text.len()),
+                    ..Usage::default()
+                }
+            }
+        });
+        CallResult { collected, usage, latency_ms: started.elapsed().as_millis() as u64, ttft_ms, failure }
+    }
+
+    /// Resolves when the turn must stop: a cancel, or a server shutdown.
+    async fn stopped(&self) -> Stopped {
+        tokio::select! {
+            _ = self.cancel.cancelled() => Stopped::Cancelled,
+            _ = self.inner.interrupt.cancelled() => Stopped::Shutdown,
+        }
+    }
+}
+
+/// Turns chunks into trace and delta events, opening and closing trace cards
+/// as the reply moves between thinking, tool calls and text.
+#[derive(Default)]
+struct ChunkForwarder {
+    thinking_trace: Option<String>,
+    /// (chunk index, trace id) of tool calls being streamed.
+    tool_traces: Vec<(usize, String)>,
+}
+
+impl ChunkForwarder {
+    fn forward(&mut self, hub: &Hub, turn_id: &Arc<str>, chunk: &Chunk) {
+        let turn = Some(turn_id);
+        match chunk {
+            Chunk::Text(text) => {
+                self.close_thinking(hub, turn_id);
+                hub.emit(turn, EventName::Delta, &json!({ "text": text }));
+            }
+            Chunk::Thinking(text) => {
+                let id = match &self.thinking_trace {
+                    Some(id) => id.clone(),
+                    None => {
+                        let id = new_id();
+                        hub.emit(turn, EventName::TraceStart, &json!({"id": id, "type": "thinking"}));
+                        self.thinking_trace = Some(id.clone());
+                        id
+                    }
+                };
+                hub.emit(turn, EventName::TraceDelta, &json!({"id": id, "text": text}));
+            }
+            Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => self.close_thinking(hub, turn_id),
+            Chunk::ToolCallStart { index, id, name } => {
+                self.close_thinking(hub, turn_id);
+                let trace = new_id();
+                hub.emit(turn, EventName::TraceStart, &json!({"id": trace, "type": "tool_call_request", "tool_call_id": id, "name": name}));
+                self.tool_traces.push((*index, trace));
+            }
+            Chunk::ToolCallArguments { index, fragment } => {
+                if let Some((_, trace)) = self.tool_traces.iter().find(|(open, _)| open == index) {
+                    hub.emit(turn, EventName::TraceDelta, &json!({"id": trace, "arguments": fragment}));
+                }
+            }
+            Chunk::ToolCallEnd { index, .. } => {
+                if let Some(position) = self.tool_traces.iter().position(|(open, _)| open == index) {
+                    let (_, trace) = self.tool_traces.remove(position);
+                    hub.emit(turn, EventName::TraceEnd, &json!({"id": trace}));
+                }
+            }
+            Chunk::Usage(_) | Chunk::Finish(_) => {}
+        }
+    }
+
+    fn close_thinking(&mut self, hub: &Hub, turn_id: &Arc<str>) {
+        if let Some(id) = self.thinking_trace.take() {
+            hub.emit(Some(turn_id), EventName::TraceEnd, &json!({"id": id}));
+        }
+    }
+
+    /// Closes every card still open (a stream that broke off).
+    fn close(&mut self, hub: &Hub, turn_id: &Arc<str>) {
+        self.close_thinking(hub, turn_id);
+        for (_, trace) in self.tool_traces.drain(..) {
+            hub.emit(Some(turn_id), EventName::TraceEnd, &json!({"id": trace}));
+        }
+    }
+}
