@@ -8,6 +8,7 @@
 //! stored as given.
 #![forbid(unsafe_code)]
 
+mod codec;
 pub mod records;
 pub mod sqlite;
 
@@ -38,6 +39,11 @@ impl From<sqlx::Error> for StoreError {
             sqlx::Error::Database(database) if database.is_unique_violation() => {
                 StoreError::Conflict(database.message().to_string())
             }
+            // A row that points at a missing one: the conversation, user or
+            // parent message named does not exist.
+            sqlx::Error::Database(database) if database.is_foreign_key_violation() => {
+                StoreError::NotFound
+            }
             _ => StoreError::Database(error.to_string()),
         }
     }
@@ -49,10 +55,8 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// missing) or `postgres://…`. Migrations are applied.
 pub async fn open(database_url: &str) -> StoreResult<std::sync::Arc<dyn Store>> {
     if database_url.starts_with("sqlite:") {
-        // The SQLite store lands with the store work; until then, say so.
-        let _ = sqlite::SqliteStore::open(database_url).await?;
-        Err(StoreError::Database(
-            "the sqlite store is not built yet".into(),
+        Ok(std::sync::Arc::new(
+            sqlite::SqliteStore::open(database_url).await?,
         ))
     } else {
         Err(StoreError::Database(format!(

@@ -1,8 +1,862 @@
-//! SQLite store (being written).
+//! The SQLite store: Arbor's embedded default, one file on the local disk and
+//! no service to run.
+//!
+//! SQLite allows one writer at a time. Rather than let several pooled
+//! connections race for the write lock (and fail with `SQLITE_BUSY` when a
+//! read transaction tries to upgrade), every write goes through a pool of
+//! exactly one connection and starts with `BEGIN IMMEDIATE`; reads use a
+//! separate pool and, thanks to WAL, never wait for the writer. The busy
+//! timeout still covers other processes (`arbor users add` while the server
+//! runs). Because all writes of this process are serialized, each invariant
+//! the engine relies on (one running turn, quota, unique message ids) also
+//! holds by the database's own constraints, exactly as on PostgreSQL.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use arbor_core::ids::Millis;
+use arbor_core::{Event, Node};
+use async_trait::async_trait;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Sqlite, Transaction};
+
+use crate::codec::{self, NodeColumns, to_i64};
 use crate::*;
-pub struct SqliteStore;
+
+/// How long a statement waits for another process's write lock before
+/// failing with "database is locked".
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The schema, embedded in the binary so `arbor serve` needs no files beside
+/// it. Versions are the file name prefixes; a landed file is never edited.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "initial",
+    include_str!("../migrations/sqlite/0001_initial.sql"),
+)];
+
+fn migrator() -> Migrator {
+    Migrator::with_migrations(
+        MIGRATIONS
+            .iter()
+            .map(|&(version, description, sql)| {
+                Migration::new(
+                    version,
+                    Cow::Borrowed(description),
+                    MigrationType::Simple,
+                    sqlx::SqlSafeStr::into_sql_str(sql),
+                    false,
+                )
+            })
+            .collect(),
+    )
+}
+
+/// Where a `sqlite:` URL points.
+#[derive(Debug, PartialEq, Eq)]
+enum Location {
+    File(PathBuf),
+    /// `sqlite::memory:`: a private database that lives as long as the store
+    /// (tests and throwaway runs).
+    Memory,
+}
+
+fn parse_url(url: &str) -> StoreResult<Location> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .ok_or_else(|| StoreError::Database(format!("{url:?} is not a sqlite:// url")))?;
+    // Connection parameters (`?mode=…`) are Arbor's to choose, not the URL's.
+    let path = rest.split('?').next().unwrap_or_default();
+    match path {
+        "" => Err(StoreError::Database(format!(
+            "{url:?} names no file: use sqlite://PATH"
+        ))),
+        ":memory:" => Ok(Location::Memory),
+        path => Ok(Location::File(PathBuf::from(path))),
+    }
+}
+
+/// A SQLite database behind the [`Store`] trait.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    /// One connection: every write of this process, serialized.
+    writer: SqlitePool,
+    /// Several connections for reads, which WAL lets run beside the writer.
+    reader: SqlitePool,
+}
+
 impl SqliteStore {
-    pub async fn open(_url: &str) -> StoreResult<SqliteStore> {
-        Err(StoreError::Database("sqlite store not written yet".into()))
+    /// Opens (creating the file and its folder if missing) the database at
+    /// `sqlite://PATH`, or a private in-memory one for `sqlite::memory:`,
+    /// and applies the migrations it lacks.
+    pub async fn open(url: &str) -> StoreResult<SqliteStore> {
+        let location = parse_url(url)?;
+        let store = match location {
+            Location::Memory => {
+                // Each in-memory connection is its own database, so one
+                // connection serves both roles and must never be recycled.
+                let options = SqliteConnectOptions::from_str("sqlite::memory:")?
+                    .foreign_keys(true)
+                    .busy_timeout(BUSY_TIMEOUT);
+                let pool = SqlitePoolOptions::new()
+                    .max_connections(1)
+                    .min_connections(1)
+                    .idle_timeout(None)
+                    .max_lifetime(None)
+                    .connect_with(options)
+                    .await?;
+                SqliteStore {
+                    writer: pool.clone(),
+                    reader: pool,
+                }
+            }
+            Location::File(path) => Self::open_file(&path).await?,
+        };
+        migrator()
+            .run(&store.writer)
+            .await
+            .map_err(|error| StoreError::Database(format!("migrating {url:?}: {error}")))?;
+        Ok(store)
+    }
+
+    async fn open_file(path: &Path) -> StoreResult<SqliteStore> {
+        if let Some(parent) = path
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty())
+        {
+            tokio::fs::create_dir_all(parent).await.map_err(|error| {
+                StoreError::Database(format!("cannot create {}: {error}", parent.display()))
+            })?;
+        }
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            // WAL: readers never block the writer nor the writer readers.
+            .journal_mode(SqliteJournalMode::Wal)
+            // NORMAL is durable across application crashes in WAL mode; only
+            // a power loss can drop the last commits, never corrupt the file.
+            .synchronous(SqliteSynchronous::Normal)
+            .foreign_keys(true)
+            .busy_timeout(BUSY_TIMEOUT);
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await?;
+        let readers = std::thread::available_parallelism()
+            .map_or(4, |count| count.get())
+            .clamp(2, 8);
+        let reader = SqlitePoolOptions::new()
+            .max_connections(u32::try_from(readers).unwrap_or(4))
+            .connect_with(options)
+            .await?;
+        Ok(SqliteStore { writer, reader })
+    }
+
+    /// A write transaction that holds the write lock from its first
+    /// statement, so it never has to upgrade (and fail) half way through.
+    async fn write(&self) -> StoreResult<Transaction<'static, Sqlite>> {
+        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    }
+}
+
+// Column lists as macros so `concat!` can splice them into statements at
+// compile time: every statement stays a `&'static str` and every value a
+// bound parameter, never run-time formatted SQL.
+macro_rules! user_columns {
+    () => {
+        "id, name, is_admin, balance_credits, created_at"
+    };
+}
+
+macro_rules! conversation_columns {
+    () => {
+        "id, owner_id, title, system_prompt, preset_id, model, head_id, head_version, summary, \
+         created_at, updated_at"
+    };
+}
+
+macro_rules! node_columns {
+    () => {
+        "conversation_id, id, parent_id, role, content, parts, tool_calls, tool_call_id, \
+         tool_name, tool_status, model, provider, turn_id, copied_from, status, created_at"
+    };
+}
+
+macro_rules! turn_columns {
+    () => {
+        "id, conversation_id, user_id, user_message_id, status, model, iterations, \
+         input_tokens, output_tokens, thinking_tokens, cached_tokens, cache_write_tokens, \
+         cost_micro_usd, reply_message_id, error_code, error_message, created_at, started_at, \
+         finished_at"
+    };
+}
+
+macro_rules! api_call_columns {
+    () => {
+        "id, turn_id, conversation_id, user_id, kind, provider, model, input_tokens, \
+         output_tokens, thinking_tokens, cached_tokens, cache_write_tokens, latency_ms, ttft_ms, \
+         status, error_code, cost_micro_usd, created_at"
+    };
+}
+
+macro_rules! ledger_columns {
+    () => {
+        "id, user_id, api_call_id, credits, balance_after, created_at"
+    };
+}
+
+macro_rules! event_columns {
+    () => {
+        "conversation_id, seq, turn_id, name, data, created_at"
+    };
+}
+
+const NODE_INSERT: &str = concat!(
+    "INSERT INTO messages (",
+    node_columns!(),
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+);
+
+/// The same insert, but an existing node with the id is updated in place
+/// (its identity and place in the tree stay as they were).
+const NODE_UPSERT: &str = concat!(
+    "INSERT INTO messages (",
+    node_columns!(),
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+     ON CONFLICT (conversation_id, id) DO UPDATE SET \
+     content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
+     tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
+     tool_status = excluded.tool_status, model = excluded.model, \
+     provider = excluded.provider, status = excluded.status"
+);
+
+async fn insert_node(
+    tx: &mut Transaction<'static, Sqlite>,
+    statement: &'static str,
+    node: &Node,
+) -> StoreResult<()> {
+    let columns = NodeColumns::new(node)?;
+    sqlx::query(statement)
+        .bind(&node.conversation_id)
+        .bind(&node.id)
+        .bind(&node.parent_id)
+        .bind(node.message.role.as_str())
+        .bind(&node.message.content)
+        .bind(&columns.parts)
+        .bind(&columns.tool_calls)
+        .bind(&node.message.tool_call_id)
+        .bind(&node.message.tool_name)
+        .bind(columns.tool_status)
+        .bind(&node.model)
+        .bind(&node.provider)
+        .bind(&node.turn_id)
+        .bind(&node.copied_from)
+        .bind(node.status.as_str())
+        .bind(node.created_at)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Sets a conversation's head to its last appended node, returning the new
+/// head version; `NotFound` when the conversation does not exist.
+async fn advance_head(
+    tx: &mut Transaction<'static, Sqlite>,
+    conversation_id: &str,
+    head_id: &str,
+    updated_at: Millis,
+) -> StoreResult<i64> {
+    let version: Option<i64> = sqlx::query_scalar(
+        "UPDATE conversations SET head_id = ?, head_version = head_version + 1, updated_at = ? \
+         WHERE id = ? RETURNING head_version",
+    )
+    .bind(head_id)
+    .bind(updated_at)
+    .bind(conversation_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    version.ok_or(StoreError::NotFound)
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn create_user(&self, user: &User) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO users (id, name, is_admin, balance_credits, created_at) \
+             VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(&user.id)
+        .bind(&user.name)
+        .bind(user.is_admin)
+        .bind(user.balance_credits)
+        .bind(user.created_at)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            user_columns!(),
+            " FROM users WHERE name = ?"
+        ))
+        .bind(name)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(codec::user_from_row).transpose()
+    }
+
+    async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            user_columns!(),
+            " FROM users WHERE id = ?"
+        ))
+        .bind(user_id)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(codec::user_from_row).transpose()
+    }
+
+    async fn count_users(&self) -> StoreResult<u64> {
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users")
+            .fetch_one(&self.reader)
+            .await?;
+        Ok(codec::to_u64(count))
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO api_keys (id, user_id, key_hash, prefix, created_at) \
+             VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(&key.id)
+        .bind(&key.user_id)
+        .bind(&key.key_hash)
+        .bind(&key.prefix)
+        .bind(key.created_at)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn user_by_key_hash(&self, key_hash: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query(
+            "SELECT users.id, users.name, users.is_admin, users.balance_credits, \
+             users.created_at FROM api_keys JOIN users ON users.id = api_keys.user_id \
+             WHERE api_keys.key_hash = ? AND api_keys.revoked_at IS NULL",
+        )
+        .bind(key_hash)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(codec::user_from_row).transpose()
+    }
+
+    async fn create_conversation(&self, conversation: &Conversation) -> StoreResult<()> {
+        sqlx::query(concat!(
+            "INSERT INTO conversations (",
+            conversation_columns!(),
+            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        ))
+        .bind(&conversation.id)
+        .bind(&conversation.owner_id)
+        .bind(&conversation.title)
+        .bind(&conversation.system_prompt)
+        .bind(&conversation.preset_id)
+        .bind(&conversation.model)
+        .bind(&conversation.head_id)
+        .bind(conversation.head_version)
+        .bind(&conversation.summary)
+        .bind(conversation.created_at)
+        .bind(conversation.updated_at)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+    ) -> StoreResult<Option<Conversation>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            conversation_columns!(),
+            " FROM conversations WHERE owner_id = ? AND id = ?"
+        ))
+        .bind(owner_id)
+        .bind(conversation_id)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(codec::conversation_from_row).transpose()
+    }
+
+    async fn list_conversations(
+        &self,
+        owner_id: &str,
+        cursor: Option<&ConversationCursor>,
+        limit: u32,
+    ) -> StoreResult<Vec<Conversation>> {
+        // Keyset pagination on the (owner_id, created_at DESC, id DESC)
+        // index: a page costs the same however deep it is.
+        let rows = match cursor {
+            None => {
+                sqlx::query(concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    " FROM conversations WHERE owner_id = ? \
+                     ORDER BY created_at DESC, id DESC LIMIT ?"
+                ))
+                .bind(owner_id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.reader)
+                .await?
+            }
+            Some(cursor) => {
+                sqlx::query(concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    " FROM conversations WHERE owner_id = ? AND (created_at, id) < (?, ?) \
+                     ORDER BY created_at DESC, id DESC LIMIT ?"
+                ))
+                .bind(owner_id)
+                .bind(cursor.created_at)
+                .bind(&cursor.id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.reader)
+                .await?
+            }
+        };
+        rows.iter().map(codec::conversation_from_row).collect()
+    }
+
+    async fn update_conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+        update: &ConversationUpdate,
+    ) -> StoreResult<Conversation> {
+        let row = sqlx::query(concat!(
+            "UPDATE conversations SET title = COALESCE(?, title), \
+             system_prompt = COALESCE(?, system_prompt), model = COALESCE(?, model), \
+             updated_at = ? WHERE owner_id = ? AND id = ? RETURNING ",
+            conversation_columns!()
+        ))
+        .bind(&update.title)
+        .bind(&update.system_prompt)
+        .bind(&update.model)
+        .bind(update.updated_at)
+        .bind(owner_id)
+        .bind(conversation_id)
+        .fetch_optional(&self.writer)
+        .await?;
+        match row {
+            Some(row) => codec::conversation_from_row(&row),
+            None => Err(StoreError::NotFound),
+        }
+    }
+
+    async fn delete_conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<()> {
+        // Messages, turns and events go with it (ON DELETE CASCADE); api
+        // calls and the ledger stay, as billing history.
+        let result = sqlx::query("DELETE FROM conversations WHERE owner_id = ? AND id = ?")
+            .bind(owner_id)
+            .bind(conversation_id)
+            .execute(&self.writer)
+            .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn set_head(
+        &self,
+        conversation_id: &str,
+        head_id: Option<&str>,
+        expected_version: Option<i64>,
+        updated_at: Millis,
+    ) -> StoreResult<i64> {
+        let mut tx = self.write().await?;
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = ?")
+                .bind(conversation_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let current = current.ok_or(StoreError::NotFound)?;
+        if let Some(expected) = expected_version
+            && expected != current
+        {
+            return Err(StoreError::HeadVersionMismatch { current });
+        }
+        if let Some(head_id) = head_id {
+            let exists: Option<i64> =
+                sqlx::query_scalar("SELECT 1 FROM messages WHERE conversation_id = ? AND id = ?")
+                    .bind(conversation_id)
+                    .bind(head_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if exists.is_none() {
+                return Err(StoreError::NotFound);
+            }
+        }
+        let version: i64 = sqlx::query_scalar(
+            "UPDATE conversations SET head_id = ?, head_version = head_version + 1, \
+             updated_at = ? WHERE id = ? RETURNING head_version",
+        )
+        .bind(head_id)
+        .bind(updated_at)
+        .bind(conversation_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(version)
+    }
+
+    async fn append_messages(&self, nodes: &[Node], updated_at: Millis) -> StoreResult<i64> {
+        let (conversation_id, last_id) = codec::batch_target(nodes)?;
+        let mut tx = self.write().await?;
+        for node in nodes {
+            insert_node(&mut tx, NODE_INSERT, node).await?;
+        }
+        let version = advance_head(&mut tx, conversation_id, last_id, updated_at).await?;
+        tx.commit().await?;
+        Ok(version)
+    }
+
+    async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM messages WHERE conversation_id = ? ORDER BY seq"
+        ))
+        .bind(conversation_id)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(codec::node_from_row).collect()
+    }
+
+    async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM messages WHERE conversation_id = ? AND id = ?"
+        ))
+        .bind(conversation_id)
+        .bind(message_id)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(codec::node_from_row).transpose()
+    }
+
+    async fn update_message(&self, node: &Node) -> StoreResult<()> {
+        let columns = NodeColumns::new(node)?;
+        let result = sqlx::query(
+            "UPDATE messages SET content = ?, parts = ?, tool_calls = ?, tool_call_id = ?, \
+             tool_name = ?, tool_status = ?, model = ?, provider = ?, status = ? \
+             WHERE conversation_id = ? AND id = ?",
+        )
+        .bind(&node.message.content)
+        .bind(&columns.parts)
+        .bind(&columns.tool_calls)
+        .bind(&node.message.tool_call_id)
+        .bind(&node.message.tool_name)
+        .bind(columns.tool_status)
+        .bind(&node.model)
+        .bind(&node.provider)
+        .bind(node.status.as_str())
+        .bind(&node.conversation_id)
+        .bind(&node.id)
+        .execute(&self.writer)
+        .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn insert_turn(&self, turn: &Turn) -> StoreResult<()> {
+        sqlx::query(concat!(
+            "INSERT INTO turns (",
+            turn_columns!(),
+            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        ))
+        .bind(&turn.id)
+        .bind(&turn.conversation_id)
+        .bind(&turn.user_id)
+        .bind(&turn.user_message_id)
+        .bind(turn.status.as_str())
+        .bind(&turn.model)
+        .bind(i64::from(turn.iterations))
+        .bind(to_i64(turn.usage.input_tokens))
+        .bind(to_i64(turn.usage.output_tokens))
+        .bind(to_i64(turn.usage.thinking_tokens))
+        .bind(to_i64(turn.usage.cached_tokens))
+        .bind(to_i64(turn.usage.cache_write_tokens))
+        .bind(to_i64(turn.cost_micro_usd))
+        .bind(&turn.reply_message_id)
+        .bind(&turn.error_code)
+        .bind(&turn.error_message)
+        .bind(turn.created_at)
+        .bind(turn.started_at)
+        .bind(turn.finished_at)
+        .execute(&self.writer)
+        .await
+        .map_err(codec::running_turn_conflict)?;
+        Ok(())
+    }
+
+    async fn update_turn(&self, turn: &Turn) -> StoreResult<()> {
+        let result = sqlx::query(
+            "UPDATE turns SET status = ?, model = ?, iterations = ?, input_tokens = ?, \
+             output_tokens = ?, thinking_tokens = ?, cached_tokens = ?, cache_write_tokens = ?, \
+             cost_micro_usd = ?, reply_message_id = ?, error_code = ?, error_message = ?, \
+             started_at = ?, finished_at = ? WHERE conversation_id = ? AND id = ?",
+        )
+        .bind(turn.status.as_str())
+        .bind(&turn.model)
+        .bind(i64::from(turn.iterations))
+        .bind(to_i64(turn.usage.input_tokens))
+        .bind(to_i64(turn.usage.output_tokens))
+        .bind(to_i64(turn.usage.thinking_tokens))
+        .bind(to_i64(turn.usage.cached_tokens))
+        .bind(to_i64(turn.usage.cache_write_tokens))
+        .bind(to_i64(turn.cost_micro_usd))
+        .bind(&turn.reply_message_id)
+        .bind(&turn.error_code)
+        .bind(&turn.error_message)
+        .bind(turn.started_at)
+        .bind(turn.finished_at)
+        .bind(&turn.conversation_id)
+        .bind(&turn.id)
+        .execute(&self.writer)
+        .await
+        .map_err(codec::running_turn_conflict)?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            turn_columns!(),
+            " FROM turns WHERE conversation_id = ? AND id = ?"
+        ))
+        .bind(conversation_id)
+        .bind(turn_id)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(codec::turn_from_row).transpose()
+    }
+
+    async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>> {
+        // SQLite has no array parameters: the statuses travel as one JSON
+        // array, unpacked by json_each, so the statement stays static.
+        let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
+        let names = serde_json::to_string(&names)
+            .map_err(|error| StoreError::Database(error.to_string()))?;
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            turn_columns!(),
+            " FROM turns WHERE status IN (SELECT value FROM json_each(?)) \
+             ORDER BY created_at, id"
+        ))
+        .bind(names)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(codec::turn_from_row).collect()
+    }
+
+    async fn record_call(
+        &self,
+        call: &ApiCall,
+        message: Option<&Node>,
+    ) -> StoreResult<LedgerEntry> {
+        let mut tx = self.write().await?;
+        if let Some(node) = message {
+            insert_node(&mut tx, NODE_UPSERT, node).await?;
+        }
+        sqlx::query(concat!(
+            "INSERT INTO api_calls (",
+            api_call_columns!(),
+            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        ))
+        .bind(&call.id)
+        .bind(&call.turn_id)
+        .bind(&call.conversation_id)
+        .bind(&call.user_id)
+        .bind(&call.kind)
+        .bind(&call.provider)
+        .bind(&call.model)
+        .bind(to_i64(call.usage.input_tokens))
+        .bind(to_i64(call.usage.output_tokens))
+        .bind(to_i64(call.usage.thinking_tokens))
+        .bind(to_i64(call.usage.cached_tokens))
+        .bind(to_i64(call.usage.cache_write_tokens))
+        .bind(to_i64(call.latency_ms))
+        .bind(call.ttft_ms.map(to_i64))
+        .bind(&call.status)
+        .bind(&call.error_code)
+        .bind(to_i64(call.cost_micro_usd))
+        .bind(call.created_at)
+        .execute(&mut *tx)
+        .await?;
+        let credits = to_i64(call.cost_micro_usd);
+        // The deduction is one statement, so it reads and writes the balance
+        // under the same lock: concurrent charges add up, none is lost. A
+        // NULL (unlimited) balance stays NULL.
+        let balance_after: Option<Option<i64>> = sqlx::query_scalar(
+            "UPDATE users SET balance_credits = balance_credits - ? WHERE id = ? \
+             RETURNING balance_credits",
+        )
+        .bind(credits)
+        .bind(&call.user_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let balance_after = balance_after.ok_or(StoreError::NotFound)?;
+        let entry = LedgerEntry {
+            // One charge per call, so the call's id names its ledger row too
+            // and the store invents no id of its own.
+            id: call.id.clone(),
+            user_id: call.user_id.clone(),
+            api_call_id: call.id.clone(),
+            credits,
+            balance_after,
+            created_at: call.created_at,
+        };
+        sqlx::query(concat!(
+            "INSERT INTO cost_ledger (",
+            ledger_columns!(),
+            ") VALUES (?, ?, ?, ?, ?, ?)"
+        ))
+        .bind(&entry.id)
+        .bind(&entry.user_id)
+        .bind(&entry.api_call_id)
+        .bind(entry.credits)
+        .bind(entry.balance_after)
+        .bind(entry.created_at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(entry)
+    }
+
+    async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            api_call_columns!(),
+            " FROM api_calls WHERE turn_id = ? ORDER BY created_at, id"
+        ))
+        .bind(turn_id)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(codec::api_call_from_row).collect()
+    }
+
+    async fn ledger(&self, user_id: &str, limit: u32) -> StoreResult<Vec<LedgerEntry>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            ledger_columns!(),
+            " FROM cost_ledger WHERE user_id = ? ORDER BY created_at DESC, id DESC LIMIT ?"
+        ))
+        .bind(user_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(codec::ledger_from_row).collect()
+    }
+
+    async fn set_balance(&self, user_id: &str, balance: Option<i64>) -> StoreResult<()> {
+        let result = sqlx::query("UPDATE users SET balance_credits = ? WHERE id = ?")
+            .bind(balance)
+            .bind(user_id)
+            .execute(&self.writer)
+            .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn append_events(&self, events: &[Event]) -> StoreResult<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.write().await?;
+        for event in events {
+            sqlx::query(concat!(
+                "INSERT INTO events (",
+                event_columns!(),
+                ") VALUES (?, ?, ?, ?, ?, ?)"
+            ))
+            .bind(&*event.conversation_id)
+            .bind(event.seq)
+            .bind(event.turn_id.as_deref())
+            .bind(event.name.as_str())
+            .bind(&*event.data)
+            .bind(event.created_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn events_after(
+        &self,
+        conversation_id: &str,
+        after: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<Event>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            event_columns!(),
+            " FROM events WHERE conversation_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        ))
+        .bind(conversation_id)
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(codec::event_from_row).collect()
+    }
+
+    async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
+        let seq: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?",
+        )
+        .bind(conversation_id)
+        .fetch_one(&self.reader)
+        .await?;
+        Ok(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_a_file_or_memory() {
+        assert_eq!(
+            parse_url("sqlite://./data/arbor.db").ok(),
+            Some(Location::File(PathBuf::from("./data/arbor.db")))
+        );
+        assert_eq!(
+            parse_url("sqlite:///tmp/a.db?mode=rwc").ok(),
+            Some(Location::File(PathBuf::from("/tmp/a.db")))
+        );
+        assert_eq!(parse_url("sqlite::memory:").ok(), Some(Location::Memory));
+        assert!(parse_url("sqlite://").is_err());
+        assert!(parse_url("postgres://x").is_err());
     }
 }

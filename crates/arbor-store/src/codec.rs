@@ -1,0 +1,285 @@
+//! Translation between the record types and database columns, shared by the
+//! SQLite and PostgreSQL stores so both read and write rows the same way.
+//!
+//! The decoders are generic over the row type: both backends store the same
+//! column names with types sqlx maps to the same Rust types (`String`, `i64`,
+//! `bool`), so one decoder per record serves both and the two stores cannot
+//! drift apart in how, say, a tool call is parsed back.
+
+use std::sync::Arc;
+
+use arbor_core::message::NodeStatus;
+use arbor_core::{Event, EventName, Message, Node, Part, Role, ToolCall, ToolStatus, Usage};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use crate::{ApiCall, Conversation, LedgerEntry, StoreError, StoreResult, Turn, TurnStatus, User};
+
+/// Counters are `u64` in Rust and signed 64-bit in both databases. Real
+/// token counts and costs are far below `i64::MAX`; saturating keeps a
+/// corrupt value from wrapping into a negative charge.
+pub(crate) fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// The inverse of [`to_i64`]; a negative stored value (never written by
+/// Arbor) reads as zero rather than as a huge number.
+pub(crate) fn to_u64(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+/// A list column: NULL when empty, to keep plain text messages small.
+pub(crate) fn json_list<T: Serialize>(items: &[T]) -> StoreResult<Option<String>> {
+    if items.is_empty() {
+        return Ok(None);
+    }
+    serde_json::to_string(items)
+        .map(Some)
+        .map_err(|error| StoreError::Database(format!("cannot serialize a json column: {error}")))
+}
+
+fn parse_json_list<T: DeserializeOwned>(column: &str, text: Option<String>) -> StoreResult<Vec<T>> {
+    match text {
+        None => Ok(Vec::new()),
+        Some(text) => serde_json::from_str(&text).map_err(|error| {
+            StoreError::Database(format!("stored {column} is not valid json: {error}"))
+        }),
+    }
+}
+
+pub(crate) fn tool_status_text(status: Option<ToolStatus>) -> Option<&'static str> {
+    status.map(|status| match status {
+        ToolStatus::Success => "success",
+        ToolStatus::Error => "error",
+        ToolStatus::Cancelled => "cancelled",
+        ToolStatus::Denied => "denied",
+    })
+}
+
+fn parse_tool_status(text: Option<String>) -> StoreResult<Option<ToolStatus>> {
+    let Some(text) = text else { return Ok(None) };
+    let status = match text.as_str() {
+        "success" => ToolStatus::Success,
+        "error" => ToolStatus::Error,
+        "cancelled" => ToolStatus::Cancelled,
+        "denied" => ToolStatus::Denied,
+        _ => return Err(corrupt("tool_status", &text)),
+    };
+    Ok(Some(status))
+}
+
+fn corrupt(column: &str, value: &str) -> StoreError {
+    StoreError::Database(format!("stored {column} {value:?} is not a known value"))
+}
+
+/// The columns of a node, encoded once so every insert binds the same values.
+pub(crate) struct NodeColumns {
+    pub parts: Option<String>,
+    pub tool_calls: Option<String>,
+    pub tool_status: Option<&'static str>,
+}
+
+impl NodeColumns {
+    pub fn new(node: &Node) -> StoreResult<NodeColumns> {
+        Ok(NodeColumns {
+            parts: json_list::<Part>(&node.message.parts)?,
+            tool_calls: json_list::<ToolCall>(&node.message.tool_calls)?,
+            tool_status: tool_status_text(node.message.tool_status),
+        })
+    }
+}
+
+/// Reads one column, naming it in the error when it fails.
+fn get<'r, R, T>(row: &'r R, column: &str) -> StoreResult<T>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    T: Decode<'r, R::Database> + Type<R::Database>,
+{
+    row.try_get(column)
+        .map_err(|error| StoreError::Database(format!("cannot read column {column}: {error}")))
+}
+
+macro_rules! decoders {
+    ($($name:ident($row:ident) -> $out:ty $body:block)*) => {
+        $(
+            pub(crate) fn $name<R>($row: &R) -> StoreResult<$out>
+            where
+                R: Row,
+                for<'c> &'c str: ColumnIndex<R>,
+                for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+                for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+                for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+            $body
+        )*
+    };
+}
+
+decoders! {
+    user_from_row(row) -> User {
+        Ok(User {
+            id: get(row, "id")?,
+            name: get(row, "name")?,
+            is_admin: get(row, "is_admin")?,
+            balance_credits: get(row, "balance_credits")?,
+            created_at: get(row, "created_at")?,
+        })
+    }
+
+    conversation_from_row(row) -> Conversation {
+        Ok(Conversation {
+            id: get(row, "id")?,
+            owner_id: get(row, "owner_id")?,
+            title: get(row, "title")?,
+            system_prompt: get(row, "system_prompt")?,
+            preset_id: get(row, "preset_id")?,
+            model: get(row, "model")?,
+            head_id: get(row, "head_id")?,
+            head_version: get(row, "head_version")?,
+            summary: get(row, "summary")?,
+            created_at: get(row, "created_at")?,
+            updated_at: get(row, "updated_at")?,
+        })
+    }
+
+    node_from_row(row) -> Node {
+        let role: String = get(row, "role")?;
+        let status: String = get(row, "status")?;
+        Ok(Node {
+            id: get(row, "id")?,
+            conversation_id: get(row, "conversation_id")?,
+            parent_id: get(row, "parent_id")?,
+            message: Message {
+                role: Role::parse(&role).ok_or_else(|| corrupt("role", &role))?,
+                content: get(row, "content")?,
+                parts: parse_json_list("parts", get(row, "parts")?)?,
+                tool_calls: parse_json_list("tool_calls", get(row, "tool_calls")?)?,
+                tool_call_id: get(row, "tool_call_id")?,
+                tool_name: get(row, "tool_name")?,
+                tool_status: parse_tool_status(get(row, "tool_status")?)?,
+            },
+            model: get(row, "model")?,
+            provider: get(row, "provider")?,
+            turn_id: get(row, "turn_id")?,
+            copied_from: get(row, "copied_from")?,
+            status: NodeStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
+            created_at: get(row, "created_at")?,
+        })
+    }
+
+    turn_from_row(row) -> Turn {
+        let status: String = get(row, "status")?;
+        let iterations: i64 = get(row, "iterations")?;
+        Ok(Turn {
+            id: get(row, "id")?,
+            conversation_id: get(row, "conversation_id")?,
+            user_id: get(row, "user_id")?,
+            user_message_id: get(row, "user_message_id")?,
+            status: TurnStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
+            model: get(row, "model")?,
+            iterations: u32::try_from(iterations).unwrap_or(0),
+            usage: usage_from_row(row)?,
+            cost_micro_usd: to_u64(get(row, "cost_micro_usd")?),
+            reply_message_id: get(row, "reply_message_id")?,
+            error_code: get(row, "error_code")?,
+            error_message: get(row, "error_message")?,
+            created_at: get(row, "created_at")?,
+            started_at: get(row, "started_at")?,
+            finished_at: get(row, "finished_at")?,
+        })
+    }
+
+    usage_from_row(row) -> Usage {
+        Ok(Usage {
+            input_tokens: to_u64(get(row, "input_tokens")?),
+            output_tokens: to_u64(get(row, "output_tokens")?),
+            thinking_tokens: to_u64(get(row, "thinking_tokens")?),
+            cached_tokens: to_u64(get(row, "cached_tokens")?),
+            cache_write_tokens: to_u64(get(row, "cache_write_tokens")?),
+        })
+    }
+
+    api_call_from_row(row) -> ApiCall {
+        let ttft_ms: Option<i64> = get(row, "ttft_ms")?;
+        Ok(ApiCall {
+            id: get(row, "id")?,
+            turn_id: get(row, "turn_id")?,
+            conversation_id: get(row, "conversation_id")?,
+            user_id: get(row, "user_id")?,
+            kind: get(row, "kind")?,
+            provider: get(row, "provider")?,
+            model: get(row, "model")?,
+            usage: usage_from_row(row)?,
+            latency_ms: to_u64(get(row, "latency_ms")?),
+            ttft_ms: ttft_ms.map(to_u64),
+            status: get(row, "status")?,
+            error_code: get(row, "error_code")?,
+            cost_micro_usd: to_u64(get(row, "cost_micro_usd")?),
+            created_at: get(row, "created_at")?,
+        })
+    }
+
+    ledger_from_row(row) -> LedgerEntry {
+        Ok(LedgerEntry {
+            id: get(row, "id")?,
+            user_id: get(row, "user_id")?,
+            api_call_id: get(row, "api_call_id")?,
+            credits: get(row, "credits")?,
+            balance_after: get(row, "balance_after")?,
+            created_at: get(row, "created_at")?,
+        })
+    }
+
+    event_from_row(row) -> Event {
+        let name: String = get(row, "name")?;
+        let conversation_id: String = get(row, "conversation_id")?;
+        let turn_id: Option<String> = get(row, "turn_id")?;
+        let data: String = get(row, "data")?;
+        Ok(Event {
+            seq: get(row, "seq")?,
+            conversation_id: Arc::from(conversation_id),
+            turn_id: turn_id.map(Arc::from),
+            name: EventName::parse(&name).ok_or_else(|| corrupt("name", &name))?,
+            data: Arc::from(data),
+            created_at: get(row, "created_at")?,
+        })
+    }
+}
+
+/// The conversation a batch of nodes belongs to and the id of its last node
+/// (the new head). A batch spans one conversation: the head it moves is that
+/// conversation's.
+pub(crate) fn batch_target(nodes: &[Node]) -> StoreResult<(&str, &str)> {
+    let (Some(first), Some(last)) = (nodes.first(), nodes.last()) else {
+        return Err(StoreError::Database(
+            "append_messages was given no nodes".into(),
+        ));
+    };
+    if nodes
+        .iter()
+        .any(|node| node.conversation_id != first.conversation_id)
+    {
+        return Err(StoreError::Database(
+            "append_messages was given nodes of several conversations".into(),
+        ));
+    }
+    Ok((&first.conversation_id, &last.id))
+}
+
+/// Names the rule a turn write broke when it is the one-running-turn index,
+/// so the caller's 409 can say why.
+pub(crate) fn running_turn_conflict(error: sqlx::Error) -> StoreError {
+    if let sqlx::Error::Database(database) = &error
+        && database.is_unique_violation()
+        && (database.constraint() == Some(RUNNING_TURN_INDEX)
+            || database.message().contains("turns.conversation_id"))
+    {
+        return StoreError::Conflict("the conversation already has a running turn".into());
+    }
+    StoreError::from(error)
+}
+
+/// The partial unique index (in both schemas) that allows one running turn
+/// per conversation.
+pub(crate) const RUNNING_TURN_INDEX: &str = "turns_one_running_per_conversation";

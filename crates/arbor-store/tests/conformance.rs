@@ -1,0 +1,1137 @@
+//! The store conformance suite: each story is written once against the
+//! [`Store`] trait and run against every backend, so SQLite and PostgreSQL
+//! cannot drift apart in what the engine may rely on.
+//!
+//! SQLite runs always (a fresh file in a temp folder per story). PostgreSQL
+//! runs when `ARBOR_TEST_POSTGRES_URL` names a server (for example
+//! `postgres://postgres@127.0.0.1:5432/test`): each story gets a database of
+//! its own, `arbor_test_<random>`, created from that URL and dropped after
+//! the story, pass or fail, so runs never see each other's rows.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use arbor_core::message::NodeStatus;
+use arbor_core::{
+    Event, EventName, Message, Node, Part, Role, ToolCall, ToolStatus, Usage,
+    message::ProviderOpaque,
+};
+use arbor_store::*;
+use serde_json::json;
+
+// ---------------------------------------------------------------- harness
+
+/// Runs `story` against a new SQLite file.
+async fn on_sqlite<F, Fut>(story: F)
+where
+    F: FnOnce(Arc<dyn Store>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let folder = tempfile::tempdir().expect("temp dir");
+    // A folder that does not exist yet: open must create it.
+    let path = folder.path().join("nested").join("arbor.db");
+    let url = format!("sqlite://{}", path.display());
+    let store = arbor_store::open(&url).await.expect("sqlite store opens");
+    story(store).await;
+    // Reopening the same file applies no migration twice and keeps the rows.
+    let again = arbor_store::open(&url).await.expect("sqlite store reopens");
+    again.count_users().await.expect("reopened store answers");
+}
+
+/// Runs `story` against a fresh PostgreSQL database, when one is configured.
+async fn on_postgres<F, Fut>(story: F)
+where
+    F: FnOnce(Arc<dyn Store>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let Ok(server_url) = std::env::var("ARBOR_TEST_POSTGRES_URL") else {
+        eprintln!("ARBOR_TEST_POSTGRES_URL is not set; skipping the postgres run");
+        return;
+    };
+    let database = format!("arbor_test_{}", uuid::Uuid::now_v7().simple());
+    let admin = sqlx::PgPool::connect(&server_url)
+        .await
+        .expect("connect to ARBOR_TEST_POSTGRES_URL");
+    // The name is made above from a uuid, not from user input.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .expect("create the test database");
+    let url = with_database(&server_url, &database);
+    let outcome = async {
+        let store = arbor_store::open(&url).await.expect("postgres store opens");
+        // Run on its own task so a failing assertion comes back as an error
+        // here and the database is still dropped.
+        let result = tokio::spawn(story(store.clone())).await;
+        drop(store);
+        let again = arbor_store::open(&url)
+            .await
+            .expect("postgres store reopens");
+        again.count_users().await.expect("reopened store answers");
+        result
+    }
+    .await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .expect("drop the test database");
+    if let Err(error) = outcome {
+        std::panic::resume_unwind(error.into_panic());
+    }
+}
+
+/// `server_url` with its database name replaced by `database`.
+fn with_database(server_url: &str, database: &str) -> String {
+    let (base, query) = match server_url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (server_url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |index| index + 3);
+    let base = match base[scheme_end..].find('/') {
+        Some(slash) => &base[..scheme_end + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{base}/{database}?{query}"),
+        None => format!("{base}/{database}"),
+    }
+}
+
+/// One test per story and backend: `sqlite::story_x` and `postgres::story_x`.
+macro_rules! stories {
+    ($($story:ident),+ $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $story() {
+                    super::on_sqlite(super::$story).await;
+                }
+            )+
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $story() {
+                    super::on_postgres(super::$story).await;
+                }
+            )+
+        }
+    };
+}
+
+stories!(
+    story_users_and_keys,
+    story_conversations_page_newest_first,
+    story_owners_see_only_their_conversations,
+    story_conversation_update_and_delete_cascade,
+    story_messages_keep_tree_and_order,
+    story_append_is_all_or_nothing,
+    story_head_moves_with_optimistic_version,
+    story_one_running_turn_per_conversation,
+    story_concurrent_turn_claims_admit_one,
+    story_record_call_charges_atomically,
+    story_concurrent_charges_add_up,
+    story_events_replay_in_order,
+);
+
+// --------------------------------------------------------------- fixtures
+
+fn user(id: &str, balance: Option<i64>) -> User {
+    User {
+        id: id.into(),
+        name: format!("name-{id}"),
+        is_admin: false,
+        balance_credits: balance,
+        created_at: 1_000,
+    }
+}
+
+fn conversation(owner: &str, id: &str, created_at: i64) -> Conversation {
+    Conversation {
+        id: id.into(),
+        owner_id: owner.into(),
+        title: Some(format!("title {id}")),
+        system_prompt: None,
+        preset_id: None,
+        model: "demo".into(),
+        head_id: None,
+        head_version: 0,
+        summary: None,
+        created_at,
+        updated_at: created_at,
+    }
+}
+
+fn node(conversation: &str, id: &str, parent: Option<&str>, message: Message) -> Node {
+    Node {
+        id: id.into(),
+        conversation_id: conversation.into(),
+        parent_id: parent.map(Into::into),
+        message,
+        model: None,
+        provider: None,
+        turn_id: None,
+        copied_from: None,
+        status: NodeStatus::Complete,
+        created_at: 2_000,
+    }
+}
+
+fn turn(conversation: &str, id: &str, status: TurnStatus, created_at: i64) -> Turn {
+    Turn {
+        id: id.into(),
+        conversation_id: conversation.into(),
+        user_id: "alice".into(),
+        user_message_id: "u1".into(),
+        status,
+        model: "demo".into(),
+        iterations: 0,
+        usage: Usage::default(),
+        cost_micro_usd: 0,
+        reply_message_id: None,
+        error_code: None,
+        error_message: None,
+        created_at,
+        started_at: None,
+        finished_at: None,
+    }
+}
+
+fn call(id: &str, user: &str, conversation: &str, turn: &str, cost: u64) -> ApiCall {
+    ApiCall {
+        id: id.into(),
+        turn_id: Some(turn.into()),
+        conversation_id: Some(conversation.into()),
+        user_id: user.into(),
+        kind: "chat".into(),
+        provider: "demo".into(),
+        model: "demo".into(),
+        usage: Usage {
+            input_tokens: 1200,
+            output_tokens: 350,
+            thinking_tokens: 10,
+            cached_tokens: 800,
+            cache_write_tokens: 5,
+        },
+        latency_ms: 420,
+        ttft_ms: Some(90),
+        status: "ok".into(),
+        error_code: None,
+        cost_micro_usd: cost,
+        created_at: 3_000,
+    }
+}
+
+fn event(conversation: &str, seq: i64, data: &str) -> Event {
+    Event {
+        seq,
+        conversation_id: Arc::from(conversation),
+        turn_id: Some(Arc::from("t1")),
+        name: EventName::Delta,
+        data: Arc::from(data),
+        created_at: 4_000 + seq,
+    }
+}
+
+/// A user `alice` with one conversation `c1`, the setting of most stories.
+async fn alice_with_conversation(store: &dyn Store, balance: Option<i64>) {
+    store
+        .create_user(&user("alice", balance))
+        .await
+        .expect("create alice");
+    store
+        .create_conversation(&conversation("alice", "c1", 10))
+        .await
+        .expect("create c1");
+}
+
+/// An assistant message with every field a provider can fill, to check the
+/// JSON columns come back exactly.
+fn rich_assistant() -> Message {
+    Message {
+        role: Role::Assistant,
+        content: None,
+        parts: vec![
+            Part::Thinking {
+                text: "let me add".into(),
+                signature: Some(ProviderOpaque {
+                    provider: "anthropic".into(),
+                    data: "EqQBCkYI==".into(),
+                }),
+            },
+            Part::Image {
+                media_id: Some("m1".into()),
+                url: None,
+                data: None,
+                mime_type: Some("image/png".into()),
+            },
+        ],
+        tool_calls: vec![ToolCall {
+            id: "call_1".into(),
+            name: "add".into(),
+            arguments: json!({"b": 2, "a": [1, {"z": null}]}),
+            signature: Some(ProviderOpaque {
+                provider: "gemini".into(),
+                data: "sig".into(),
+            }),
+        }],
+        tool_call_id: None,
+        tool_name: None,
+        tool_status: None,
+    }
+}
+
+// ---------------------------------------------------------------- stories
+
+async fn story_users_and_keys(store: Arc<dyn Store>) {
+    assert_eq!(store.count_users().await.expect("count"), 0);
+    let mut admin = user("u-admin", None);
+    admin.is_admin = true;
+    store.create_user(&admin).await.expect("create admin");
+    store
+        .create_user(&user("u-bob", Some(500)))
+        .await
+        .expect("create bob");
+    assert_eq!(store.count_users().await.expect("count"), 2);
+
+    let mut same_name = user("u-other", None);
+    same_name.name = admin.name.clone();
+    assert!(matches!(
+        store.create_user(&same_name).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(store.count_users().await.expect("count"), 2);
+
+    assert_eq!(
+        store.user_by_name(&admin.name).await.expect("by name"),
+        Some(admin.clone())
+    );
+    assert_eq!(
+        store.user("u-bob").await.expect("by id"),
+        Some(user("u-bob", Some(500)))
+    );
+    assert_eq!(store.user("nobody").await.expect("by id"), None);
+    assert_eq!(store.user_by_name("nobody").await.expect("by name"), None);
+
+    let key = ApiKey {
+        id: "k1".into(),
+        user_id: "u-admin".into(),
+        key_hash: "ab".repeat(32),
+        prefix: "arb_1234".into(),
+        created_at: 5,
+    };
+    store.create_api_key(&key).await.expect("create key");
+    assert_eq!(
+        store.user_by_key_hash(&key.key_hash).await.expect("lookup"),
+        Some(admin)
+    );
+    assert_eq!(
+        store
+            .user_by_key_hash(&"cd".repeat(32))
+            .await
+            .expect("lookup"),
+        None
+    );
+
+    let same_hash = ApiKey {
+        id: "k2".into(),
+        user_id: "u-bob".into(),
+        ..key.clone()
+    };
+    assert!(matches!(
+        store.create_api_key(&same_hash).await,
+        Err(StoreError::Conflict(_))
+    ));
+    let orphan = ApiKey {
+        id: "k3".into(),
+        user_id: "nobody".into(),
+        key_hash: "ef".repeat(32),
+        ..key
+    };
+    assert!(matches!(
+        store.create_api_key(&orphan).await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+async fn story_conversations_page_newest_first(store: Arc<dyn Store>) {
+    store
+        .create_user(&user("alice", None))
+        .await
+        .expect("alice");
+    // Two pairs share a created_at: the id breaks the tie, descending.
+    let stamps = [
+        ("a", 10),
+        ("b", 20),
+        ("c", 20),
+        ("d", 30),
+        ("e", 40),
+        ("f", 40),
+    ];
+    for (id, created_at) in stamps {
+        store
+            .create_conversation(&conversation("alice", id, created_at))
+            .await
+            .expect("create");
+    }
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = store
+            .list_conversations("alice", cursor.as_ref(), 4)
+            .await
+            .expect("page");
+        assert!(page.len() <= 4);
+        let Some(last) = page.last() else { break };
+        cursor = Some(ConversationCursor {
+            created_at: last.created_at,
+            id: last.id.clone(),
+        });
+        seen.extend(page.iter().map(|c| c.id.clone()));
+    }
+    assert_eq!(seen, ["f", "e", "d", "c", "b", "a"]);
+
+    let first = store
+        .list_conversations("alice", None, 2)
+        .await
+        .expect("first page");
+    assert_eq!(first[0], conversation("alice", "f", 40));
+    let after_tie = store
+        .list_conversations(
+            "alice",
+            Some(&ConversationCursor {
+                created_at: 20,
+                id: "c".into(),
+            }),
+            10,
+        )
+        .await
+        .expect("page after c");
+    let ids: Vec<_> = after_tie.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["b", "a"]);
+}
+
+async fn story_owners_see_only_their_conversations(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    store.create_user(&user("bob", None)).await.expect("bob");
+
+    assert_eq!(store.conversation("bob", "c1").await.expect("read"), None);
+    assert!(
+        store
+            .list_conversations("bob", None, 10)
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    let update = ConversationUpdate {
+        title: Some("mine now".into()),
+        updated_at: 99,
+        ..ConversationUpdate::default()
+    };
+    assert!(matches!(
+        store.update_conversation("bob", "c1", &update).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        store.delete_conversation("bob", "c1").await,
+        Err(StoreError::NotFound)
+    ));
+    // Alice's conversation is untouched by bob's attempts.
+    assert_eq!(
+        store.conversation("alice", "c1").await.expect("read"),
+        Some(conversation("alice", "c1", 10))
+    );
+    // A turn is only found through its own conversation.
+    store
+        .create_conversation(&conversation("bob", "c2", 11))
+        .await
+        .expect("bob's conversation");
+    store
+        .insert_turn(&turn("c1", "t1", TurnStatus::Queued, 1))
+        .await
+        .expect("turn");
+    assert_eq!(store.turn("c2", "t1").await.expect("read"), None);
+    assert!(store.turn("c1", "t1").await.expect("read").is_some());
+}
+
+async fn story_conversation_update_and_delete_cascade(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, Some(1_000)).await;
+    let update = ConversationUpdate {
+        title: Some("renamed".into()),
+        system_prompt: Some("be brief".into()),
+        model: None,
+        updated_at: 77,
+    };
+    let updated = store
+        .update_conversation("alice", "c1", &update)
+        .await
+        .expect("update");
+    let mut expected = conversation("alice", "c1", 10);
+    expected.title = Some("renamed".into());
+    expected.system_prompt = Some("be brief".into());
+    expected.updated_at = 77;
+    assert_eq!(updated, expected);
+    assert_eq!(
+        store.conversation("alice", "c1").await.expect("read"),
+        Some(expected)
+    );
+
+    store
+        .append_messages(
+            &[
+                node("c1", "u1", None, Message::user("hi")),
+                node("c1", "a1", Some("u1"), Message::assistant("hello")),
+            ],
+            20,
+        )
+        .await
+        .expect("append");
+    store
+        .insert_turn(&turn("c1", "t1", TurnStatus::Running, 1))
+        .await
+        .expect("turn");
+    store
+        .append_events(&[event("c1", 1, "{}"), event("c1", 2, "{}")])
+        .await
+        .expect("events");
+    store
+        .record_call(&call("call1", "alice", "c1", "t1", 100), None)
+        .await
+        .expect("call");
+
+    store
+        .delete_conversation("alice", "c1")
+        .await
+        .expect("delete");
+    assert_eq!(store.conversation("alice", "c1").await.expect("read"), None);
+    assert!(store.messages("c1").await.expect("messages").is_empty());
+    assert_eq!(store.message("c1", "u1").await.expect("message"), None);
+    assert_eq!(store.turn("c1", "t1").await.expect("turn"), None);
+    assert!(
+        store
+            .turns_with_status(&[TurnStatus::Running])
+            .await
+            .expect("turns")
+            .is_empty()
+    );
+    assert!(
+        store
+            .events_after("c1", 0, 10)
+            .await
+            .expect("events")
+            .is_empty()
+    );
+    assert_eq!(store.last_event_seq("c1").await.expect("seq"), 0);
+    // Billing history outlives the conversation.
+    assert_eq!(store.api_calls("t1").await.expect("calls").len(), 1);
+    assert_eq!(store.ledger("alice", 10).await.expect("ledger").len(), 1);
+    assert!(matches!(
+        store.delete_conversation("alice", "c1").await,
+        Err(StoreError::NotFound)
+    ));
+    // The id is free again.
+    store
+        .create_conversation(&conversation("alice", "c1", 12))
+        .await
+        .expect("recreate");
+    assert!(store.messages("c1").await.expect("messages").is_empty());
+}
+
+async fn story_messages_keep_tree_and_order(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    // Ids that do not sort in creation order, so order must come from the
+    // store's own sequence.
+    let user_message = node("c1", "zz", None, Message::user("add 1 and 2"));
+    let mut assistant = node("c1", "mm", Some("zz"), rich_assistant());
+    assistant.model = Some("claude".into());
+    assistant.provider = Some("anthropic".into());
+    assistant.turn_id = Some("t1".into());
+    let tool = node(
+        "c1",
+        "aa",
+        Some("mm"),
+        Message::tool_result(&rich_assistant().tool_calls[0], ToolStatus::Success, "3"),
+    );
+    let version = store
+        .append_messages(&[user_message.clone(), assistant.clone()], 50)
+        .await
+        .expect("append");
+    assert_eq!(version, 1);
+    let version = store
+        .append_messages(std::slice::from_ref(&tool), 60)
+        .await
+        .expect("append");
+    assert_eq!(version, 2);
+
+    let conversation = store
+        .conversation("alice", "c1")
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(conversation.head_id.as_deref(), Some("aa"));
+    assert_eq!(conversation.head_version, 2);
+    assert_eq!(conversation.updated_at, 60);
+
+    let all = store.messages("c1").await.expect("messages");
+    assert_eq!(all, vec![user_message.clone(), assistant.clone(), tool]);
+    assert_eq!(
+        store.message("c1", "mm").await.expect("message"),
+        Some(assistant.clone())
+    );
+    assert_eq!(store.message("c1", "nope").await.expect("message"), None);
+
+    // A sibling branch: the same parent, a new reply.
+    let sibling = node("c1", "b2", Some("zz"), Message::assistant("another"));
+    store
+        .append_messages(std::slice::from_ref(&sibling), 70)
+        .await
+        .expect("branch");
+    assert_eq!(store.messages("c1").await.expect("messages").len(), 4);
+
+    // The same id in another conversation is another message.
+    store
+        .create_conversation(&conversation_for("alice", "c2"))
+        .await
+        .expect("c2");
+    store
+        .append_messages(&[node("c2", "zz", None, Message::user("other"))], 80)
+        .await
+        .expect("same id elsewhere");
+    assert_eq!(
+        store
+            .message("c2", "zz")
+            .await
+            .expect("message")
+            .and_then(|n| n.message.content),
+        Some("other".into())
+    );
+
+    // Keeping an interrupted reply: content and status change in place.
+    let mut interrupted = assistant;
+    interrupted.message.content = Some("partial".into());
+    interrupted.message.tool_calls.clear();
+    interrupted.status = NodeStatus::Interrupted;
+    store
+        .update_message(&interrupted)
+        .await
+        .expect("update message");
+    assert_eq!(
+        store.message("c1", "mm").await.expect("message"),
+        Some(interrupted.clone())
+    );
+    let order: Vec<_> = store
+        .messages("c1")
+        .await
+        .expect("messages")
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(order, ["zz", "mm", "aa", "b2"], "updates keep the order");
+    let mut missing = interrupted;
+    missing.id = "never".into();
+    assert!(matches!(
+        store.update_message(&missing).await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+fn conversation_for(owner: &str, id: &str) -> Conversation {
+    conversation(owner, id, 20)
+}
+
+async fn story_append_is_all_or_nothing(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    store
+        .append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10)
+        .await
+        .expect("append");
+
+    // A batch whose second node reuses an id: nothing of it is written.
+    let result = store
+        .append_messages(
+            &[
+                node("c1", "a1", Some("u1"), Message::assistant("new")),
+                node("c1", "u1", Some("a1"), Message::user("again")),
+            ],
+            20,
+        )
+        .await;
+    assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
+    // A batch repeating an id within itself.
+    let result = store
+        .append_messages(
+            &[
+                node("c1", "x", Some("u1"), Message::user("one")),
+                node("c1", "x", Some("u1"), Message::user("two")),
+            ],
+            20,
+        )
+        .await;
+    assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
+    // A parent that is not in the conversation.
+    let result = store
+        .append_messages(
+            &[node("c1", "y", Some("ghost"), Message::user("orphan"))],
+            20,
+        )
+        .await;
+    assert!(matches!(result, Err(StoreError::NotFound)), "{result:?}");
+    // A conversation that does not exist.
+    let result = store
+        .append_messages(&[node("c404", "y", None, Message::user("lost"))], 20)
+        .await;
+    assert!(matches!(result, Err(StoreError::NotFound)), "{result:?}");
+
+    let all = store.messages("c1").await.expect("messages");
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].message.content.as_deref(), Some("hi"));
+    let conversation = store
+        .conversation("alice", "c1")
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(conversation.head_id.as_deref(), Some("u1"));
+    assert_eq!(conversation.head_version, 1, "failed appends move nothing");
+    assert_eq!(conversation.updated_at, 10);
+}
+
+async fn story_head_moves_with_optimistic_version(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    let version = store
+        .append_messages(
+            &[
+                node("c1", "u1", None, Message::user("hi")),
+                node("c1", "a1", Some("u1"), Message::assistant("hello")),
+            ],
+            10,
+        )
+        .await
+        .expect("append");
+    assert_eq!(version, 1);
+
+    let result = store.set_head("c1", Some("u1"), Some(0), 20).await;
+    assert!(
+        matches!(result, Err(StoreError::HeadVersionMismatch { current: 1 })),
+        "{result:?}"
+    );
+    let head = store
+        .conversation("alice", "c1")
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(
+        head.head_id.as_deref(),
+        Some("a1"),
+        "a mismatch moves nothing"
+    );
+    assert_eq!(head.head_version, 1);
+
+    assert_eq!(
+        store
+            .set_head("c1", Some("u1"), Some(1), 30)
+            .await
+            .expect("move"),
+        2
+    );
+    assert_eq!(
+        store.set_head("c1", None, None, 40).await.expect("clear"),
+        3
+    );
+    let head = store
+        .conversation("alice", "c1")
+        .await
+        .expect("read")
+        .expect("exists");
+    assert_eq!(
+        (head.head_id, head.head_version, head.updated_at),
+        (None, 3, 40)
+    );
+
+    assert!(matches!(
+        store.set_head("c1", Some("ghost"), None, 50).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        store.set_head("c404", None, None, 50).await,
+        Err(StoreError::NotFound)
+    ));
+    assert_eq!(
+        store
+            .conversation("alice", "c1")
+            .await
+            .expect("read")
+            .expect("exists")
+            .head_version,
+        3
+    );
+}
+
+async fn story_one_running_turn_per_conversation(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    store
+        .create_conversation(&conversation("alice", "c2", 11))
+        .await
+        .expect("c2");
+    let mut first = turn("c1", "t1", TurnStatus::Running, 1);
+    first.started_at = Some(2);
+    store.insert_turn(&first).await.expect("first runs");
+
+    let result = store
+        .insert_turn(&turn("c1", "t2", TurnStatus::Running, 3))
+        .await;
+    assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
+    assert_eq!(store.turn("c1", "t2").await.expect("read"), None);
+
+    // Queued beside it is fine, and so is running in another conversation.
+    store
+        .insert_turn(&turn("c1", "t3", TurnStatus::Queued, 4))
+        .await
+        .expect("queued");
+    store
+        .insert_turn(&turn("c1", "t4", TurnStatus::Queued, 5))
+        .await
+        .expect("queued");
+    store
+        .insert_turn(&turn("c2", "t5", TurnStatus::Running, 6))
+        .await
+        .expect("another conversation");
+    assert!(matches!(
+        store
+            .insert_turn(&turn("c404", "t6", TurnStatus::Queued, 7))
+            .await,
+        Err(StoreError::NotFound)
+    ));
+
+    // Promoting a queued turn while the first runs is refused too.
+    let mut next = turn("c1", "t3", TurnStatus::Running, 4);
+    let result = store.update_turn(&next).await;
+    assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
+    assert_eq!(
+        store
+            .turn("c1", "t3")
+            .await
+            .expect("read")
+            .map(|t| t.status),
+        Some(TurnStatus::Queued)
+    );
+
+    // Queue order is creation order.
+    let queued: Vec<_> = store
+        .turns_with_status(&[TurnStatus::Queued])
+        .await
+        .expect("queued")
+        .into_iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(queued, ["t3", "t4"]);
+
+    // Finishing the first frees the slot; its totals are kept.
+    first.status = TurnStatus::Succeeded;
+    first.iterations = 3;
+    first.usage = Usage {
+        input_tokens: 10,
+        output_tokens: 20,
+        thinking_tokens: 3,
+        cached_tokens: 4,
+        cache_write_tokens: 5,
+    };
+    first.cost_micro_usd = 1234;
+    first.reply_message_id = Some("a1".into());
+    first.finished_at = Some(9);
+    store.update_turn(&first).await.expect("finish");
+    assert_eq!(store.turn("c1", "t1").await.expect("read"), Some(first));
+    next.started_at = Some(10);
+    store.update_turn(&next).await.expect("next runs");
+    assert_eq!(store.turn("c1", "t3").await.expect("read"), Some(next));
+
+    let running: Vec<_> = store
+        .turns_with_status(&[TurnStatus::Running, TurnStatus::Succeeded])
+        .await
+        .expect("running")
+        .into_iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(running, ["t1", "t3", "t5"]);
+    assert!(
+        store
+            .turns_with_status(&[])
+            .await
+            .expect("none asked")
+            .is_empty()
+    );
+    assert!(matches!(
+        store
+            .update_turn(&turn("c1", "ghost", TurnStatus::Failed, 1))
+            .await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+async fn story_concurrent_turn_claims_admit_one(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    let claims: Vec<_> = (0..12)
+        .map(|index| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .insert_turn(&turn(
+                        "c1",
+                        &format!("t{index}"),
+                        TurnStatus::Running,
+                        index,
+                    ))
+                    .await
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for claim in claims {
+        match claim.await.expect("task") {
+            Ok(()) => admitted += 1,
+            Err(StoreError::Conflict(_)) => {}
+            Err(other) => panic!("unexpected error {other:?}"),
+        }
+    }
+    assert_eq!(admitted, 1);
+    assert_eq!(
+        store
+            .turns_with_status(&[TurnStatus::Running])
+            .await
+            .expect("running")
+            .len(),
+        1
+    );
+}
+
+async fn story_record_call_charges_atomically(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, Some(10_000)).await;
+    store
+        .append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10)
+        .await
+        .expect("user message");
+
+    let mut reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    reply.turn_id = Some("t1".into());
+    let first = call("call1", "alice", "c1", "t1", 2_500);
+    let entry = store
+        .record_call(&first, Some(&reply))
+        .await
+        .expect("record");
+    assert_eq!(
+        entry,
+        LedgerEntry {
+            id: "call1".into(),
+            user_id: "alice".into(),
+            api_call_id: "call1".into(),
+            credits: 2_500,
+            balance_after: Some(7_500),
+            created_at: 3_000,
+        }
+    );
+    assert_eq!(
+        store.message("c1", "a1").await.expect("read"),
+        Some(reply.clone())
+    );
+    assert_eq!(
+        store
+            .user("alice")
+            .await
+            .expect("read")
+            .and_then(|u| u.balance_credits),
+        Some(7_500)
+    );
+
+    // A second call updates the same message in place (the reply grew).
+    reply.message.content = Some("hello there".into());
+    reply.message.tool_calls = rich_assistant().tool_calls;
+    let mut second = call("call2", "alice", "c1", "t1", 8_000);
+    second.created_at = 3_001;
+    let entry = store
+        .record_call(&second, Some(&reply))
+        .await
+        .expect("record");
+    // Recorded spend is real spend: the balance may go below zero.
+    assert_eq!(entry.balance_after, Some(-500));
+    assert_eq!(store.message("c1", "a1").await.expect("read"), Some(reply));
+    assert_eq!(store.messages("c1").await.expect("messages").len(), 2);
+
+    // A failing call (its id is taken) writes nothing: no message, no charge.
+    let mut third = call("call1", "alice", "c1", "t1", 1_000);
+    third.created_at = 3_002;
+    let ghost = node("c1", "a2", Some("u1"), Message::assistant("ghost"));
+    assert!(matches!(
+        store.record_call(&third, Some(&ghost)).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(store.message("c1", "a2").await.expect("read"), None);
+    assert_eq!(
+        store
+            .user("alice")
+            .await
+            .expect("read")
+            .and_then(|u| u.balance_credits),
+        Some(-500)
+    );
+
+    let calls = store.api_calls("t1").await.expect("calls");
+    assert_eq!(calls, vec![first, second]);
+    let ledger = store.ledger("alice", 10).await.expect("ledger");
+    let ids: Vec<_> = ledger.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["call2", "call1"], "newest first");
+    assert_eq!(store.ledger("alice", 1).await.expect("ledger").len(), 1);
+
+    // Unlimited users are charged on the ledger, with no balance.
+    store.create_user(&user("bob", None)).await.expect("bob");
+    let entry = store
+        .record_call(&call("call3", "bob", "c1", "t9", 700), None)
+        .await
+        .expect("record");
+    assert_eq!((entry.credits, entry.balance_after), (700, None));
+
+    store
+        .set_balance("bob", Some(42))
+        .await
+        .expect("set balance");
+    assert_eq!(
+        store
+            .user("bob")
+            .await
+            .expect("read")
+            .and_then(|u| u.balance_credits),
+        Some(42)
+    );
+    store.set_balance("bob", None).await.expect("unlimited");
+    assert_eq!(
+        store
+            .user("bob")
+            .await
+            .expect("read")
+            .and_then(|u| u.balance_credits),
+        None
+    );
+    assert!(matches!(
+        store.set_balance("nobody", Some(1)).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        store
+            .record_call(&call("call4", "nobody", "c1", "t9", 1), None)
+            .await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+async fn story_concurrent_charges_add_up(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, Some(100_000)).await;
+    let tasks: Vec<_> = (0..24u64)
+        .map(|index| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let charge = call(&format!("call{index}"), "alice", "c1", "t1", 100 + index);
+                store.record_call(&charge, None).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task").expect("record");
+    }
+    let spent: i64 = (0..24).map(|index| 100 + index).sum();
+    assert_eq!(
+        store
+            .user("alice")
+            .await
+            .expect("read")
+            .and_then(|u| u.balance_credits),
+        Some(100_000 - spent)
+    );
+    let ledger = store.ledger("alice", 100).await.expect("ledger");
+    assert_eq!(ledger.len(), 24);
+    let lowest = ledger
+        .iter()
+        .filter_map(|entry| entry.balance_after)
+        .min()
+        .expect("balances");
+    assert_eq!(lowest, 100_000 - spent, "each charge saw the previous ones");
+}
+
+async fn story_events_replay_in_order(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    store
+        .create_conversation(&conversation("alice", "c2", 11))
+        .await
+        .expect("c2");
+    assert_eq!(store.last_event_seq("c1").await.expect("seq"), 0);
+
+    // Payload bytes come back exactly as written (spacing, key order).
+    let payloads = [
+        r#"{"text": "Hel"}"#,
+        r#"{"text":"lo"}"#,
+        r#"{"z":1,"a":2}"#,
+        "{\"text\":\"é\\n\"}",
+        "{}",
+    ];
+    let events: Vec<_> = payloads
+        .iter()
+        .zip(1..)
+        .map(|(data, seq)| event("c1", seq, data))
+        .collect();
+    store
+        .append_events(&events[..3])
+        .await
+        .expect("first batch");
+    store
+        .append_events(&events[3..])
+        .await
+        .expect("second batch");
+    store
+        .append_events(&[event("c2", 1, "{}")])
+        .await
+        .expect("other conversation");
+    store.append_events(&[]).await.expect("empty batch");
+
+    assert_eq!(store.events_after("c1", 0, 100).await.expect("all"), events);
+    assert_eq!(
+        store.events_after("c1", 2, 2).await.expect("page"),
+        events[2..4].to_vec()
+    );
+    assert!(
+        store
+            .events_after("c1", 5, 10)
+            .await
+            .expect("none")
+            .is_empty()
+    );
+    assert_eq!(store.last_event_seq("c1").await.expect("seq"), 5);
+    assert_eq!(store.last_event_seq("c2").await.expect("seq"), 1);
+
+    // A reused seq is a conflict, and the batch holding it writes nothing.
+    let result = store
+        .append_events(&[event("c1", 6, "{}"), event("c1", 3, r#"{"other":true}"#)])
+        .await;
+    assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
+    assert_eq!(store.last_event_seq("c1").await.expect("seq"), 5);
+    assert_eq!(
+        store.events_after("c1", 2, 1).await.expect("page")[0]
+            .data
+            .as_ref(),
+        payloads[2]
+    );
+    assert!(matches!(
+        store.append_events(&[event("c404", 1, "{}")]).await,
+        Err(StoreError::NotFound)
+    ));
+
+    let mut untagged = event("c1", 6, r#"{"turn_id":null}"#);
+    untagged.turn_id = None;
+    untagged.name = EventName::HeadMoved;
+    store
+        .append_events(std::slice::from_ref(&untagged))
+        .await
+        .expect("no turn");
+    assert_eq!(
+        store.events_after("c1", 5, 10).await.expect("tail"),
+        vec![untagged]
+    );
+}
