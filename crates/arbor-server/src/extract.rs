@@ -1,0 +1,55 @@
+//! Extractors: the caller's identity from the bearer key, and JSON / query
+//! bodies whose rejections become [`ApiError`]s with the problem named.
+
+use arbor_store::User;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::header::AUTHORIZATION;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// The authenticated caller.
+pub struct Caller(pub User);
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Caller, ApiError> {
+        let header = parts.headers.get(AUTHORIZATION).and_then(|value| value.to_str().ok()).ok_or_else(ApiError::unauthorized)?;
+        let key = header
+            .strip_prefix("Bearer ")
+            .or_else(|| header.strip_prefix("bearer "))
+            .map(str::trim)
+            .filter(|key| !key.is_empty() && key.len() <= 256)
+            .ok_or_else(ApiError::unauthorized)?;
+        let user = state.engine.authenticate(key).await?.ok_or_else(ApiError::unauthorized)?;
+        Ok(Caller(user))
+    }
+}
+
+/// A JSON body; malformed JSON, wrong types and unknown fields are a 400
+/// naming the problem, an oversized body a 413.
+pub struct Json<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Json<T>, ApiError> {
+        let axum::Json(value) = axum::Json::<T>::from_request(request, state).await?;
+        Ok(Json(value))
+    }
+}
+
+/// Query parameters, with a 400 naming the bad one.
+pub struct Query<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Query<T>, ApiError> {
+        let axum::extract::Query(value) = axum::extract::Query::<T>::from_request_parts(parts, state).await?;
+        Ok(Query(value))
+    }
+}

@@ -1,0 +1,98 @@
+//! Building a running Arbor from its [`Config`]: open the store (applying
+//! migrations), build the provider adapters, the model registry and the
+//! engine, and create the first admin on an empty database.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arbor_engine::{Engine, EngineConfig, Models};
+use arbor_providers::demo::DemoProvider;
+use arbor_providers::{Provider, Registry};
+use tokio_util::sync::CancellationToken;
+
+use crate::AppState;
+use crate::config::{Config, ProviderConfig, ProviderKind};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("cannot create the data directory {path}: {source}")]
+    DataDir { path: String, source: std::io::Error },
+    #[error("cannot open the database: {0}")]
+    Store(#[from] arbor_store::StoreError),
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Engine(#[from] arbor_engine::EngineError),
+}
+
+/// A first admin created on an empty database; its key is shown once.
+pub struct FirstAdmin {
+    pub name: String,
+    pub key: String,
+}
+
+pub struct App {
+    pub state: AppState,
+    pub config: Config,
+    pub first_admin: Option<FirstAdmin>,
+}
+
+/// Opens everything `config` names. With `create_admin`, an empty database
+/// gets an `admin` user whose key is returned in [`App::first_admin`].
+pub async fn build(config: Config, create_admin: bool) -> Result<App, SetupError> {
+    let engine = build_engine(&config).await?;
+    let first_admin = if create_admin && engine.store().count_users().await? == 0 {
+        let (user, key) = engine.create_user("admin", true).await?;
+        Some(FirstAdmin { name: user.name, key })
+    } else {
+        None
+    };
+    let state = AppState { engine, streams_end: CancellationToken::new() };
+    Ok(App { state, config, first_admin })
+}
+
+/// The store and engine alone (the CLI's user and key commands).
+pub async fn build_engine(config: &Config) -> Result<Engine, SetupError> {
+    for dir in [&config.data_dir, &config.media_dir] {
+        std::fs::create_dir_all(dir).map_err(|source| SetupError::DataDir { path: dir.display().to_string(), source })?;
+    }
+    let store = arbor_store::open(&config.database_url).await?;
+    let models = build_models(config)?;
+    Ok(Engine::start(store, models, EngineConfig { limits: config.limits.clone() }).await?)
+}
+
+/// The registry (shipped + config) and one adapter per configured provider.
+pub fn build_models(config: &Config) -> Result<Models, SetupError> {
+    let mut registry = Registry::shipped();
+    registry.apply(config.models.clone()).map_err(|error| SetupError::Config(error.to_string()))?;
+    let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
+    providers.insert("demo".into(), Arc::new(DemoProvider::default()));
+    for provider in &config.providers {
+        providers.insert(provider.name.clone(), build_provider(provider)?);
+    }
+    let default_model = match &config.default_model {
+        Some(model) => model.clone(),
+        None => preferred_default(&registry, &providers),
+    };
+    Models::new(registry, providers, default_model).map_err(|error| SetupError::Config(format!("default_model: {error}")))
+}
+
+/// With no default configured: a real provider's everyday model when one is
+/// configured, else the offline demo.
+fn preferred_default(registry: &Registry, providers: &HashMap<String, Arc<dyn Provider>>) -> String {
+    ["gpt-4o-mini", "claude-sonnet-4-5", "gemini-2.5-flash"]
+        .into_iter()
+        .find(|model| registry.get(model).is_some_and(|info| providers.contains_key(&info.provider)))
+        .unwrap_or("demo")
+        .to_string()
+}
+
+fn build_provider(config: &ProviderConfig) -> Result<Arc<dyn Provider>, SetupError> {
+    match config.kind {
+        ProviderKind::Demo => Ok(Arc::new(DemoProvider::default())),
+        other => Err(SetupError::Config(format!(
+            "[providers.{}]: the {other:?} adapter is still being written in this build",
+            config.name
+        ))),
+    }
+}
