@@ -1,1 +1,1045 @@
-//! (being written)
+//! The Anthropic Messages API adapter (`POST {base}/v1/messages`).
+//!
+//! Going out, Arbor's messages become Anthropic's strictly alternating
+//! user/assistant turns: the system prompt moves to the top-level `system`
+//! field, tool results become `tool_result` blocks in a user turn, and
+//! thinking blocks that Anthropic signed go back byte-for-byte (a tool loop
+//! with extended thinking is refused by the API otherwise), while thinking
+//! from other providers is dropped. Coming back, the SSE events (one content
+//! block at a time: text, thinking with its signature, redacted thinking,
+//! `tool_use` with `input_json_delta` fragments) become [`Chunk`]s, and the
+//! `{"type":"error"}` bodies and in-stream `error` events become
+//! [`ProviderError`]s with Arbor's codes. The wire types are private to this
+//! file; [`request_body`], [`StreamDecoder`], [`decode_body`],
+//! [`response_chunks`] and [`error_from_response`] are public so that the
+//! fixture tests and mock servers can drive each half on its own.
+
+use std::collections::{HashMap, VecDeque};
+
+use arbor_core::message::ProviderOpaque;
+use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt, stream};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::http::{ErrorResponse, HttpTimeouts};
+use crate::sse::{BodyError, SseEvent, sse_events};
+use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
+
+/// The provider kind, and the owner recorded on the opaque data (thinking
+/// signatures, redacted thinking) this adapter produces and accepts back.
+pub const KIND: &str = "anthropic";
+pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
+/// The API version every request pins, so that a server-side default change
+/// cannot change the wire format under us.
+pub const API_VERSION: &str = "2023-06-01";
+/// Anthropic requires `max_tokens`; this is used when the request has none.
+pub const DEFAULT_MAX_TOKENS: u32 = 4096;
+
+/// How to reach the Messages API.
+#[derive(Clone)]
+pub struct AnthropicConfig {
+    /// Without the `/v1` suffix, e.g. `https://api.anthropic.com`.
+    pub base_url: String,
+    /// Sent as `x-api-key`. `None` only makes sense behind a proxy that adds
+    /// the key itself (or against a mock server).
+    pub api_key: Option<String>,
+    /// The `anthropic-version` header.
+    pub version: String,
+    pub timeouts: HttpTimeouts,
+}
+
+impl Default for AnthropicConfig {
+    fn default() -> AnthropicConfig {
+        AnthropicConfig {
+            base_url: DEFAULT_BASE_URL.into(),
+            api_key: None,
+            version: API_VERSION.into(),
+            timeouts: HttpTimeouts::default(),
+        }
+    }
+}
+
+// The key is a secret: never print it, not even in debug logs.
+impl std::fmt::Debug for AnthropicConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AnthropicConfig")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("version", &self.version)
+            .field("timeouts", &self.timeouts)
+            .finish()
+    }
+}
+
+/// The Anthropic adapter. Cheap to share: the HTTP client pools connections.
+#[derive(Debug, Clone)]
+pub struct AnthropicProvider {
+    config: AnthropicConfig,
+    client: reqwest::Client,
+}
+
+impl AnthropicProvider {
+    pub fn new(config: AnthropicConfig) -> Result<AnthropicProvider, ProviderError> {
+        let client = crate::http::build_client(&config.timeouts)?;
+        Ok(AnthropicProvider { config, client })
+    }
+
+    fn url(&self) -> String {
+        format!("{}/v1/messages", self.config.base_url.trim_end_matches('/'))
+    }
+
+    /// Sends the request and returns the response if its status is a
+    /// success; any other status becomes the mapped error.
+    async fn send(&self, body: Vec<u8>) -> Result<reqwest::Response, ProviderError> {
+        let mut request = self
+            .client
+            .post(self.url())
+            .header("anthropic-version", &self.config.version)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
+        if let Some(key) = &self.config.api_key {
+            request = request.header("x-api-key", key);
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|error| crate::http::transport_error(&error))?;
+        if response.status().is_success() {
+            Ok(response)
+        } else {
+            Err(error_from_response(&ErrorResponse::read(response).await))
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for AnthropicProvider {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
+        let body = encode(&build_request(&request, true)?)?;
+        let response = self.send(body).await?;
+        Ok(decode_body(response.bytes_stream()))
+    }
+
+    async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
+        let body = encode(&build_request(&request, false)?)?;
+        let response = self.send(body).await?;
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|error| crate::http::body_error(&error))?;
+        let mut collected = Collected::default();
+        for chunk in response_chunks(&bytes)? {
+            collected.push(&chunk);
+        }
+        Ok(collected.finish())
+    }
+}
+
+fn encode(request: &MessagesRequest<'_>) -> Result<Vec<u8>, ProviderError> {
+    serde_json::to_vec(request).map_err(|error| {
+        ProviderError::new(
+            ErrorCode::Internal,
+            format!("could not encode the request: {error}"),
+        )
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Requests
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Serialize)]
+struct MessagesRequest<'a> {
+    model: &'a str,
+    max_tokens: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system: Option<&'a str>,
+    messages: Vec<WireMessage<'a>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<WireTool<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    thinking: Option<ThinkingConfig>,
+    stream: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct ThinkingConfig {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    budget_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct WireTool<'a> {
+    name: &'a str,
+    description: &'a str,
+    input_schema: &'a Value,
+}
+
+#[derive(Debug, Serialize)]
+struct WireMessage<'a> {
+    role: &'static str,
+    content: Vec<Block<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block<'a> {
+    Text {
+        text: &'a str,
+    },
+    Image {
+        source: ImageSource<'a>,
+    },
+    ToolUse {
+        id: &'a str,
+        name: &'a str,
+        input: &'a Value,
+    },
+    ToolResult {
+        tool_use_id: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        content: Option<&'a str>,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        is_error: bool,
+    },
+    Thinking {
+        thinking: &'a str,
+        signature: &'a str,
+    },
+    RedactedThinking {
+        data: &'a str,
+    },
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ImageSource<'a> {
+    Base64 { media_type: &'a str, data: &'a str },
+    Url { url: &'a str },
+}
+
+/// The request body Arbor sends for `request`, as JSON (for tests, mocks and
+/// debugging; the provider serialises the same value directly).
+pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, ProviderError> {
+    serde_json::to_value(build_request(request, stream)?).map_err(|error| {
+        ProviderError::new(
+            ErrorCode::Internal,
+            format!("could not encode the request: {error}"),
+        )
+    })
+}
+
+fn build_request(
+    request: &ChatRequest,
+    stream: bool,
+) -> Result<MessagesRequest<'_>, ProviderError> {
+    let budget = request
+        .reasoning
+        .as_ref()
+        .and_then(|reasoning| reasoning.budget_tokens);
+    let thinking = budget.map(|budget_tokens| ThinkingConfig {
+        kind: "enabled",
+        budget_tokens,
+    });
+    // `max_tokens` must exceed the thinking budget; when the caller left it
+    // open, leave room for an answer after the thinking.
+    let max_tokens = request.max_output_tokens.unwrap_or_else(|| match budget {
+        Some(budget) => DEFAULT_MAX_TOKENS.max(budget.saturating_add(DEFAULT_MAX_TOKENS)),
+        None => DEFAULT_MAX_TOKENS,
+    });
+    // With thinking on, the API refuses any temperature but 1; dropping a
+    // configured temperature is kinder than failing every call.
+    let temperature = match (thinking.is_some(), request.temperature) {
+        (true, Some(temperature)) if temperature != 1.0 => None,
+        (_, temperature) => temperature,
+    };
+    let tools = request
+        .tools
+        .iter()
+        .map(|tool| WireTool {
+            name: &tool.name,
+            description: &tool.description,
+            input_schema: &tool.parameters,
+        })
+        .collect();
+    Ok(MessagesRequest {
+        model: &request.model,
+        max_tokens,
+        system: request
+            .system
+            .as_deref()
+            .filter(|system| !system.is_empty()),
+        messages: build_messages(&request.messages)?,
+        tools,
+        temperature,
+        thinking,
+        stream,
+    })
+}
+
+/// Arbor's path as alternating turns. Consecutive messages of one side are
+/// merged into one turn, because the API wants user and assistant to
+/// alternate and wants all results of one round of tool calls in the single
+/// user turn that follows it.
+fn build_messages(messages: &[Message]) -> Result<Vec<WireMessage<'_>>, ProviderError> {
+    let mut turns: Vec<WireMessage<'_>> = Vec::new();
+    for message in messages {
+        let (role, blocks) = match message.role {
+            // The system prompt travels in `ChatRequest::system`; a stray
+            // system message in the path is kept as user text rather than
+            // silently lost.
+            Role::User | Role::System => ("user", user_blocks(message)?),
+            Role::Tool => ("user", vec![tool_result_block(message)?]),
+            Role::Assistant => ("assistant", assistant_blocks(message)),
+        };
+        if blocks.is_empty() {
+            continue;
+        }
+        match turns.last_mut() {
+            Some(last) if last.role == role => last.content.extend(blocks),
+            _ => turns.push(WireMessage {
+                role,
+                content: blocks,
+            }),
+        }
+    }
+    Ok(turns)
+}
+
+fn user_blocks(message: &Message) -> Result<Vec<Block<'_>>, ProviderError> {
+    let mut blocks = Vec::new();
+    // Images first: Anthropic documents that Claude does best with the
+    // images before the question about them.
+    for part in &message.parts {
+        if let Part::Image {
+            url,
+            data,
+            mime_type,
+            ..
+        } = part
+        {
+            blocks.push(Block::Image {
+                source: image_source(url.as_deref(), data.as_deref(), mime_type.as_deref())?,
+            });
+        }
+    }
+    // The API refuses empty text blocks.
+    if let Some(text) = message.content.as_deref().filter(|text| !text.is_empty()) {
+        blocks.push(Block::Text { text });
+    }
+    Ok(blocks)
+}
+
+fn image_source<'a>(
+    url: Option<&'a str>,
+    data: Option<&'a str>,
+    mime_type: Option<&'a str>,
+) -> Result<ImageSource<'a>, ProviderError> {
+    if let Some(data) = data {
+        let media_type = mime_type.unwrap_or_else(|| sniff_image_type(data));
+        return Ok(ImageSource::Base64 { media_type, data });
+    }
+    match url {
+        // A data URL is base64 in disguise; the url source only fetches
+        // http(s).
+        Some(url) => match parse_data_url(url) {
+            Some((media_type, data)) => Ok(ImageSource::Base64 { media_type, data }),
+            None => Ok(ImageSource::Url { url }),
+        },
+        None => Err(ProviderError::new(
+            ErrorCode::InvalidRequest,
+            "an image part has neither a url nor data; the engine must resolve media before the call",
+        )),
+    }
+}
+
+/// `data:image/png;base64,AAAA` → (`image/png`, `AAAA`).
+pub(crate) fn parse_data_url(url: &str) -> Option<(&str, &str)> {
+    let rest = url.strip_prefix("data:")?;
+    let (header, data) = rest.split_once(',')?;
+    let media_type = header.strip_suffix(";base64")?;
+    Some((media_type, data))
+}
+
+/// The image type from the first bytes of its base64, for parts stored
+/// without a mime type (the API requires one).
+pub(crate) fn sniff_image_type(base64: &str) -> &'static str {
+    if base64.starts_with("iVBOR") {
+        "image/png"
+    } else if base64.starts_with("R0lG") {
+        "image/gif"
+    } else if base64.starts_with("UklGR") {
+        "image/webp"
+    } else {
+        "image/jpeg"
+    }
+}
+
+fn tool_result_block(message: &Message) -> Result<Block<'_>, ProviderError> {
+    let tool_use_id = message.tool_call_id.as_deref().ok_or_else(|| {
+        ProviderError::new(
+            ErrorCode::InvalidRequest,
+            "a tool result message has no tool_call_id",
+        )
+    })?;
+    let is_error = matches!(
+        message.tool_status,
+        Some(ToolStatus::Error | ToolStatus::Cancelled | ToolStatus::Denied)
+    );
+    Ok(Block::ToolResult {
+        tool_use_id,
+        content: message.content.as_deref().filter(|text| !text.is_empty()),
+        is_error,
+    })
+}
+
+fn assistant_blocks(message: &Message) -> Vec<Block<'_>> {
+    let mut blocks = Vec::new();
+    // Thinking comes first in an assistant turn, as the model wrote it. Only
+    // blocks this provider signed can go back: the API verifies signatures,
+    // and unsigned reasoning (another provider's) means nothing to it.
+    for part in &message.parts {
+        match part {
+            Part::Thinking {
+                text,
+                signature: Some(signature),
+            } if signature.provider == KIND => blocks.push(Block::Thinking {
+                thinking: text,
+                signature: &signature.data,
+            }),
+            Part::RedactedThinking { data } if data.provider == KIND => {
+                blocks.push(Block::RedactedThinking { data: &data.data })
+            }
+            _ => {}
+        }
+    }
+    if let Some(text) = message.content.as_deref().filter(|text| !text.is_empty()) {
+        blocks.push(Block::Text { text });
+    }
+    for call in &message.tool_calls {
+        blocks.push(Block::ToolUse {
+            id: &call.id,
+            name: &call.name,
+            input: &call.arguments,
+        });
+    }
+    blocks
+}
+
+// ---------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+struct WireUsage {
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
+    cache_read_input_tokens: Option<u64>,
+}
+
+impl WireUsage {
+    /// `message_delta` repeats the counts it knows (cumulatively); older
+    /// API versions only send `output_tokens` there.
+    fn update(&mut self, newer: &WireUsage) {
+        self.input_tokens = newer.input_tokens.or(self.input_tokens);
+        self.output_tokens = newer.output_tokens.or(self.output_tokens);
+        self.cache_creation_input_tokens = newer
+            .cache_creation_input_tokens
+            .or(self.cache_creation_input_tokens);
+        self.cache_read_input_tokens = newer
+            .cache_read_input_tokens
+            .or(self.cache_read_input_tokens);
+    }
+
+    /// Anthropic counts cached and cache-written input apart from
+    /// `input_tokens`; Arbor's input is all of it.
+    fn to_usage(self) -> Usage {
+        let cached = self.cache_read_input_tokens.unwrap_or(0);
+        let written = self.cache_creation_input_tokens.unwrap_or(0);
+        Usage {
+            input_tokens: self.input_tokens.unwrap_or(0) + cached + written,
+            output_tokens: self.output_tokens.unwrap_or(0),
+            thinking_tokens: 0,
+            cached_tokens: cached,
+            cache_write_tokens: written,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct MessagesResponse {
+    #[serde(default)]
+    content: Vec<ResponseBlock>,
+    stop_reason: Option<String>,
+    #[serde(default)]
+    usage: WireUsage,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ResponseBlock {
+    Text {
+        text: String,
+    },
+    Thinking {
+        thinking: String,
+        #[serde(default)]
+        signature: String,
+    },
+    RedactedThinking {
+        data: String,
+    },
+    ToolUse {
+        id: String,
+        name: String,
+        #[serde(default)]
+        input: Value,
+    },
+    /// Server tools and their results, and block types newer than this
+    /// adapter: the API ran them itself, Arbor has nothing to do.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum StreamEvent {
+    MessageStart {
+        message: StartMessage,
+    },
+    ContentBlockStart {
+        index: usize,
+        content_block: ResponseBlock,
+    },
+    ContentBlockDelta {
+        index: usize,
+        delta: Delta,
+    },
+    ContentBlockStop {
+        index: usize,
+    },
+    MessageDelta {
+        delta: MessageDeltaBody,
+        #[serde(default)]
+        usage: Option<WireUsage>,
+    },
+    MessageStop,
+    Error {
+        error: WireError,
+    },
+    /// `ping` and any event type newer than this adapter.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Debug, Deserialize)]
+struct StartMessage {
+    #[serde(default)]
+    usage: WireUsage,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type")]
+enum Delta {
+    #[serde(rename = "text_delta")]
+    Text { text: String },
+    #[serde(rename = "thinking_delta")]
+    Thinking { thinking: String },
+    #[serde(rename = "signature_delta")]
+    Signature { signature: String },
+    #[serde(rename = "input_json_delta")]
+    InputJson { partial_json: String },
+    /// `citations_delta` and newer kinds.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Debug, Deserialize)]
+struct MessageDeltaBody {
+    stop_reason: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ErrorBody {
+    error: WireError,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireError {
+    #[serde(rename = "type", default)]
+    kind: String,
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    details: Option<Value>,
+}
+
+fn finish_reason(stop_reason: &str) -> FinishReason {
+    match stop_reason {
+        "end_turn" | "stop_sequence" => FinishReason::Stop,
+        "max_tokens" | "model_context_window_exceeded" => FinishReason::Length,
+        "tool_use" => FinishReason::ToolCalls,
+        "refusal" => FinishReason::ContentFilter,
+        other => FinishReason::Other(other.to_string()),
+    }
+}
+
+fn signed(data: String) -> ProviderOpaque {
+    ProviderOpaque {
+        provider: KIND.into(),
+        data,
+    }
+}
+
+fn unreadable(what: &str, error: &serde_json::Error) -> ProviderError {
+    ProviderError::new(
+        ErrorCode::StreamInterrupted,
+        format!("the provider sent an unreadable {what}: {error}"),
+    )
+}
+
+/// A non-streamed reply as the chunks a stream of it would have carried, so
+/// that `complete` and `stream` fold through the same [`Collected`].
+pub fn response_chunks(body: &[u8]) -> Result<Vec<Chunk>, ProviderError> {
+    let response: MessagesResponse =
+        serde_json::from_slice(body).map_err(|error| unreadable("response", &error))?;
+    let mut chunks = Vec::new();
+    let mut calls = 0;
+    for block in response.content {
+        match block {
+            ResponseBlock::Text { text } => chunks.push(Chunk::Text(text)),
+            ResponseBlock::Thinking {
+                thinking,
+                signature,
+            } => {
+                chunks.push(Chunk::Thinking(thinking));
+                if !signature.is_empty() {
+                    chunks.push(Chunk::ThinkingSignature(signed(signature)));
+                }
+            }
+            ResponseBlock::RedactedThinking { data } => {
+                chunks.push(Chunk::RedactedThinking(signed(data)))
+            }
+            ResponseBlock::ToolUse { id, name, input } => {
+                let index = calls;
+                calls += 1;
+                chunks.push(Chunk::ToolCallStart { index, id, name });
+                chunks.push(Chunk::ToolCallArguments {
+                    index,
+                    fragment: arguments_text(&input),
+                });
+                chunks.push(Chunk::ToolCallEnd {
+                    index,
+                    signature: None,
+                });
+            }
+            ResponseBlock::Other => {}
+        }
+    }
+    chunks.push(Chunk::Usage(response.usage.to_usage()));
+    if let Some(reason) = response.stop_reason {
+        chunks.push(Chunk::Finish(finish_reason(&reason)));
+    }
+    Ok(chunks)
+}
+
+/// A tool's input as argument text: `{}` for none, so that the fold always
+/// sees an object.
+fn arguments_text(input: &Value) -> String {
+    match input {
+        Value::Null => "{}".into(),
+        other => other.to_string(),
+    }
+}
+
+/// What a content block of the stream is, between its start and stop.
+#[derive(Debug)]
+enum OpenBlock {
+    Text,
+    Thinking {
+        signature: String,
+    },
+    ToolUse {
+        call: usize,
+        /// The input given whole in `content_block_start`, used only when no
+        /// `input_json_delta` follows (the deltas are the input otherwise).
+        initial_input: Value,
+        streamed: bool,
+    },
+    Ignored,
+}
+
+/// Turns the Messages API's stream events into chunks, one event at a time.
+/// Feed it each event's `data`; call [`StreamDecoder::finish`] when the body
+/// ends.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    blocks: HashMap<usize, OpenBlock>,
+    calls: usize,
+    usage: WireUsage,
+    stopped: bool,
+}
+
+impl StreamDecoder {
+    pub fn new() -> StreamDecoder {
+        StreamDecoder::default()
+    }
+
+    /// The chunks one event's data carries. An `error` event becomes the
+    /// error; so does data that is not a readable event.
+    pub fn push(&mut self, data: &str) -> Result<Vec<Chunk>, ProviderError> {
+        let event: StreamEvent =
+            serde_json::from_str(data).map_err(|error| unreadable("stream event", &error))?;
+        let mut chunks = Vec::new();
+        match event {
+            StreamEvent::MessageStart { message } => self.usage.update(&message.usage),
+            StreamEvent::ContentBlockStart {
+                index,
+                content_block,
+            } => {
+                let block = match content_block {
+                    ResponseBlock::Text { text } => {
+                        if !text.is_empty() {
+                            chunks.push(Chunk::Text(text));
+                        }
+                        OpenBlock::Text
+                    }
+                    ResponseBlock::Thinking {
+                        thinking,
+                        signature,
+                    } => {
+                        if !thinking.is_empty() {
+                            chunks.push(Chunk::Thinking(thinking));
+                        }
+                        OpenBlock::Thinking { signature }
+                    }
+                    ResponseBlock::RedactedThinking { data } => {
+                        chunks.push(Chunk::RedactedThinking(signed(data)));
+                        OpenBlock::Ignored
+                    }
+                    ResponseBlock::ToolUse { id, name, input } => {
+                        let call = self.calls;
+                        self.calls += 1;
+                        chunks.push(Chunk::ToolCallStart {
+                            index: call,
+                            id,
+                            name,
+                        });
+                        OpenBlock::ToolUse {
+                            call,
+                            initial_input: input,
+                            streamed: false,
+                        }
+                    }
+                    ResponseBlock::Other => OpenBlock::Ignored,
+                };
+                self.blocks.insert(index, block);
+            }
+            StreamEvent::ContentBlockDelta { index, delta } => {
+                match (self.blocks.get_mut(&index), delta) {
+                    (Some(OpenBlock::Text), Delta::Text { text }) if !text.is_empty() => {
+                        chunks.push(Chunk::Text(text))
+                    }
+                    (Some(OpenBlock::Thinking { .. }), Delta::Thinking { thinking })
+                        if !thinking.is_empty() =>
+                    {
+                        chunks.push(Chunk::Thinking(thinking))
+                    }
+                    (
+                        Some(OpenBlock::Thinking { signature }),
+                        Delta::Signature { signature: more },
+                    ) => signature.push_str(&more),
+                    (
+                        Some(OpenBlock::ToolUse { call, streamed, .. }),
+                        Delta::InputJson { partial_json },
+                    ) => {
+                        *streamed = true;
+                        // An empty fragment is how a parameterless call says
+                        // "no input"; the fold reads no text as `{}`.
+                        if !partial_json.is_empty() {
+                            chunks.push(Chunk::ToolCallArguments {
+                                index: *call,
+                                fragment: partial_json,
+                            });
+                        }
+                    }
+                    // Deltas of ignored blocks (a server tool's input) and
+                    // delta kinds this adapter does not know.
+                    _ => {}
+                }
+            }
+            StreamEvent::ContentBlockStop { index } => match self.blocks.remove(&index) {
+                Some(OpenBlock::Thinking { signature }) if !signature.is_empty() => {
+                    chunks.push(Chunk::ThinkingSignature(signed(signature)))
+                }
+                Some(OpenBlock::ToolUse {
+                    call,
+                    initial_input,
+                    streamed,
+                }) => {
+                    let given = matches!(&initial_input, Value::Object(map) if !map.is_empty());
+                    if !streamed && given {
+                        chunks.push(Chunk::ToolCallArguments {
+                            index: call,
+                            fragment: initial_input.to_string(),
+                        });
+                    }
+                    chunks.push(Chunk::ToolCallEnd {
+                        index: call,
+                        signature: None,
+                    });
+                }
+                _ => {}
+            },
+            StreamEvent::MessageDelta { delta, usage } => {
+                if let Some(usage) = usage {
+                    self.usage.update(&usage);
+                }
+                chunks.push(Chunk::Usage(self.usage.to_usage()));
+                if let Some(reason) = delta.stop_reason {
+                    chunks.push(Chunk::Finish(finish_reason(&reason)));
+                }
+            }
+            StreamEvent::MessageStop => self.stopped = true,
+            StreamEvent::Error { error } => return Err(map_error(None, error)),
+            StreamEvent::Other => {}
+        }
+        Ok(chunks)
+    }
+
+    /// The body ended. A stream that stops before `message_stop` was cut
+    /// off, and its reply must not pass for a complete one.
+    pub fn finish(self) -> Result<Vec<Chunk>, ProviderError> {
+        if self.stopped {
+            Ok(Vec::new())
+        } else {
+            Err(ProviderError::new(
+                ErrorCode::StreamInterrupted,
+                "the provider's stream ended before message_stop",
+            ))
+        }
+    }
+}
+
+/// Decodes a streamed response body (SSE) into chunks. The stream ends
+/// after the first error.
+pub fn decode_body<S, E>(body: S) -> ChunkStream
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: BodyError + Send + 'static,
+{
+    decode_events(sse_events(body))
+}
+
+/// Decodes already-framed events (the recorded `chunks.jsonl` fixtures have
+/// no SSE framing).
+pub fn decode_events<S>(events: S) -> ChunkStream
+where
+    S: Stream<Item = Result<SseEvent, ProviderError>> + Send + 'static,
+{
+    struct State<S> {
+        events: std::pin::Pin<Box<S>>,
+        decoder: Option<StreamDecoder>,
+        ready: VecDeque<Result<Chunk, ProviderError>>,
+    }
+    let state = State {
+        events: Box::pin(events),
+        decoder: Some(StreamDecoder::new()),
+        ready: VecDeque::new(),
+    };
+    Box::pin(stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(item) = state.ready.pop_front() {
+                if item.is_err() {
+                    // Nothing after an error may pass for more of the reply.
+                    state.decoder = None;
+                    state.ready.clear();
+                }
+                return Some((item, state));
+            }
+            let decoder = state.decoder.as_mut()?;
+            match state.events.next().await {
+                Some(Ok(event)) => match decoder.push(&event.data) {
+                    Ok(chunks) => state.ready.extend(chunks.into_iter().map(Ok)),
+                    Err(error) => state.ready.push_back(Err(error)),
+                },
+                Some(Err(error)) => state.ready.push_back(Err(error)),
+                None => {
+                    let decoder = state.decoder.take()?;
+                    match decoder.finish() {
+                        Ok(chunks) => state.ready.extend(chunks.into_iter().map(Ok)),
+                        Err(error) => state.ready.push_back(Err(error)),
+                    }
+                }
+            }
+        }
+    }))
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+/// The error an HTTP failure stands for: the body's `error.type` decides,
+/// the status is the fallback, and the provider's message is kept.
+pub fn error_from_response(response: &ErrorResponse) -> ProviderError {
+    let error = match serde_json::from_str::<ErrorBody>(&response.body) {
+        Ok(body) => map_error(Some(response.status), body.error),
+        Err(_) => ProviderError::new(
+            crate::http::status_code(response.status),
+            response.fallback_message(),
+        ),
+    };
+    ProviderError {
+        status: Some(response.status),
+        retry_after: crate::http::retry_after(&response.headers),
+        ..error
+    }
+}
+
+/// An Anthropic error object (from a body or an in-stream `error` event).
+fn map_error(status: Option<u16>, error: WireError) -> ProviderError {
+    let code = match error.kind.as_str() {
+        "invalid_request_error" if crate::http::mentions_context_length(&error.message) => {
+            ErrorCode::ContextLengthExceeded
+        }
+        "invalid_request_error" => ErrorCode::InvalidRequest,
+        "authentication_error" => ErrorCode::Authentication,
+        "permission_error" | "billing_error" => ErrorCode::Permission,
+        "not_found_error" => ErrorCode::NotFound,
+        "request_too_large" => ErrorCode::ContextLengthExceeded,
+        // A spending limit is a 429 too, but waiting will not lift it.
+        "rate_limit_error" if spend_limit_reached(error.details.as_ref()) => ErrorCode::Permission,
+        "rate_limit_error" => ErrorCode::RateLimit,
+        "api_error" => ErrorCode::ProviderUnavailable,
+        "overloaded_error" => ErrorCode::Overloaded,
+        "timeout_error" => ErrorCode::Timeout,
+        _ => status.map_or(ErrorCode::ProviderUnavailable, crate::http::status_code),
+    };
+    let message = if error.message.is_empty() {
+        error.kind
+    } else {
+        error.message
+    };
+    ProviderError::new(code, message)
+}
+
+fn spend_limit_reached(details: Option<&Value>) -> bool {
+    details
+        .and_then(|details| details.get("error_code"))
+        .and_then(Value::as_str)
+        == Some("enforced_spend_limit_reached")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_core::ToolCall;
+    use serde_json::json;
+
+    #[test]
+    fn data_urls_split_into_type_and_base64() {
+        assert_eq!(
+            parse_data_url("data:image/png;base64,iVBORw0"),
+            Some(("image/png", "iVBORw0"))
+        );
+        assert_eq!(parse_data_url("https://example.com/a.png"), None);
+        assert_eq!(parse_data_url("data:text/plain,hello"), None);
+    }
+
+    #[test]
+    fn thinking_changes_max_tokens_default_and_drops_other_temperatures() {
+        let request = ChatRequest {
+            model: "claude-sonnet-4-5".into(),
+            messages: vec![Message::user("hi")],
+            temperature: Some(0.3),
+            reasoning: Some(crate::Reasoning {
+                effort: None,
+                budget_tokens: Some(8000),
+            }),
+            ..ChatRequest::default()
+        };
+        let body = request_body(&request, true).expect("builds");
+        assert_eq!(body["max_tokens"], 12096);
+        assert_eq!(
+            body["thinking"],
+            json!({"type": "enabled", "budget_tokens": 8000})
+        );
+        assert!(body.get("temperature").is_none());
+        let plain = ChatRequest {
+            reasoning: None,
+            ..request
+        };
+        let body = request_body(&plain, false).expect("builds");
+        assert_eq!(body["max_tokens"], DEFAULT_MAX_TOKENS);
+        assert!(body["temperature"].as_f64().is_some());
+        assert_eq!(body["stream"], false);
+    }
+
+    #[test]
+    fn tool_results_merge_into_one_user_turn_with_errors_flagged() {
+        let first = ToolCall {
+            id: "toolu_1".into(),
+            name: "add".into(),
+            arguments: json!({"a": 1}),
+            signature: None,
+        };
+        let second = ToolCall {
+            id: "toolu_2".into(),
+            name: "add".into(),
+            arguments: json!({}),
+            signature: None,
+        };
+        let mut assistant = Message::assistant("");
+        assistant.content = None;
+        assistant.tool_calls = vec![first.clone(), second.clone()];
+        let request = ChatRequest {
+            model: "m".into(),
+            messages: vec![
+                Message::user("add"),
+                assistant,
+                Message::tool_result(&first, ToolStatus::Success, "2"),
+                Message::tool_result(&second, ToolStatus::Denied, "the user said no"),
+                Message::user("and now?"),
+            ],
+            ..ChatRequest::default()
+        };
+        let body = request_body(&request, true).expect("builds");
+        assert_eq!(
+            body["messages"],
+            json!([
+                {"role": "user", "content": [{"type": "text", "text": "add"}]},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1}},
+                    {"type": "tool_use", "id": "toolu_2", "name": "add", "input": {}}
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "2"},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "the user said no", "is_error": true},
+                    {"type": "text", "text": "and now?"}
+                ]}
+            ])
+        );
+    }
+
+    #[test]
+    fn a_stream_cut_before_message_stop_is_an_interruption() {
+        let mut decoder = StreamDecoder::new();
+        let chunks = decoder
+            .push(r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":"Hi"}}"#)
+            .expect("valid");
+        assert_eq!(chunks, vec![Chunk::Text("Hi".into())]);
+        let error = decoder.finish().expect_err("cut off");
+        assert_eq!(error.code, ErrorCode::StreamInterrupted);
+    }
+}
