@@ -6,13 +6,15 @@
 //! `bool`), so one decoder per record serves both and the two stores cannot
 //! drift apart in how, say, a tool call is parsed back.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use arbor_core::message::NodeStatus;
 use arbor_core::{Event, EventName, Message, Node, Part, Role, ToolCall, ToolStatus, Usage};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sqlx::{ColumnIndex, Decode, Row, Type};
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::{ColumnIndex, Decode, Row, SqlSafeStr, Type};
 
 use crate::{ApiCall, Conversation, LedgerEntry, StoreError, StoreResult, Turn, TurnStatus, User};
 
@@ -283,3 +285,23 @@ pub(crate) fn running_turn_conflict(error: sqlx::Error) -> StoreError {
 /// The partial unique index (in both schemas) that allows one running turn
 /// per conversation.
 pub(crate) const RUNNING_TURN_INDEX: &str = "turns_one_running_per_conversation";
+
+/// A migrator for migrations embedded with `include_str!` as (version,
+/// description, SQL). Embedding keeps the binary self-contained and needs
+/// neither sqlx's macros nor the files at run time.
+pub(crate) fn migrator(migrations: &[(i64, &'static str, &'static str)]) -> Migrator {
+    Migrator::with_migrations(
+        migrations
+            .iter()
+            .map(|&(version, description, sql)| {
+                Migration::new(
+                    version,
+                    Cow::Borrowed(description),
+                    MigrationType::Simple,
+                    sql.into_sql_str(),
+                    false,
+                )
+            })
+            .collect(),
+    )
+}

@@ -8,7 +8,10 @@
 //! stored as given.
 #![forbid(unsafe_code)]
 
+#[macro_use]
+mod columns;
 mod codec;
+pub mod postgres;
 pub mod records;
 pub mod sqlite;
 
@@ -58,9 +61,15 @@ pub async fn open(database_url: &str) -> StoreResult<std::sync::Arc<dyn Store>> 
         Ok(std::sync::Arc::new(
             sqlite::SqliteStore::open(database_url).await?,
         ))
+    } else if database_url.starts_with("postgres://") || database_url.starts_with("postgresql://") {
+        Ok(std::sync::Arc::new(
+            postgres::PostgresStore::open(database_url).await?,
+        ))
     } else {
+        // The URL may hold a password: name only its scheme.
+        let scheme = database_url.split(':').next().unwrap_or_default();
         Err(StoreError::Database(format!(
-            "unsupported database url {database_url:?}: use sqlite://PATH"
+            "unsupported database url scheme {scheme:?}: use sqlite://PATH or postgres://…"
         )))
     }
 }

@@ -11,7 +11,6 @@
 //! the engine relies on (one running turn, quota, unique message ids) also
 //! holds by the database's own constraints, exactly as on PostgreSQL.
 
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -19,7 +18,6 @@ use std::time::Duration;
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
-use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -39,23 +37,6 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
     "initial",
     include_str!("../migrations/sqlite/0001_initial.sql"),
 )];
-
-fn migrator() -> Migrator {
-    Migrator::with_migrations(
-        MIGRATIONS
-            .iter()
-            .map(|&(version, description, sql)| {
-                Migration::new(
-                    version,
-                    Cow::Borrowed(description),
-                    MigrationType::Simple,
-                    sqlx::SqlSafeStr::into_sql_str(sql),
-                    false,
-                )
-            })
-            .collect(),
-    )
-}
 
 /// Where a `sqlite:` URL points.
 #[derive(Debug, PartialEq, Eq)]
@@ -118,7 +99,7 @@ impl SqliteStore {
             }
             Location::File(path) => Self::open_file(&path).await?,
         };
-        migrator()
+        codec::migrator(MIGRATIONS)
             .run(&store.writer)
             .await
             .map_err(|error| StoreError::Database(format!("migrating {url:?}: {error}")))?;
@@ -163,58 +144,6 @@ impl SqliteStore {
     async fn write(&self) -> StoreResult<Transaction<'static, Sqlite>> {
         Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
     }
-}
-
-// Column lists as macros so `concat!` can splice them into statements at
-// compile time: every statement stays a `&'static str` and every value a
-// bound parameter, never run-time formatted SQL.
-macro_rules! user_columns {
-    () => {
-        "id, name, is_admin, balance_credits, created_at"
-    };
-}
-
-macro_rules! conversation_columns {
-    () => {
-        "id, owner_id, title, system_prompt, preset_id, model, head_id, head_version, summary, \
-         created_at, updated_at"
-    };
-}
-
-macro_rules! node_columns {
-    () => {
-        "conversation_id, id, parent_id, role, content, parts, tool_calls, tool_call_id, \
-         tool_name, tool_status, model, provider, turn_id, copied_from, status, created_at"
-    };
-}
-
-macro_rules! turn_columns {
-    () => {
-        "id, conversation_id, user_id, user_message_id, status, model, iterations, \
-         input_tokens, output_tokens, thinking_tokens, cached_tokens, cache_write_tokens, \
-         cost_micro_usd, reply_message_id, error_code, error_message, created_at, started_at, \
-         finished_at"
-    };
-}
-
-macro_rules! api_call_columns {
-    () => {
-        "id, turn_id, conversation_id, user_id, kind, provider, model, input_tokens, \
-         output_tokens, thinking_tokens, cached_tokens, cache_write_tokens, latency_ms, ttft_ms, \
-         status, error_code, cost_micro_usd, created_at"
-    };
-}
-
-macro_rules! ledger_columns {
-    () => {
-        "id, user_id, api_call_id, credits, balance_after, created_at"
-    };
-}
-
-macro_rules! event_columns {
-    () => {
-        "conversation_id, seq, turn_id, name, data, created_at"
-    };
 }
 
 const NODE_INSERT: &str = concat!(

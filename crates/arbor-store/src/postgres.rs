@@ -1,0 +1,754 @@
+//! The PostgreSQL store: several `arbor serve` nodes on one database.
+//!
+//! Every rule the engine relies on across nodes is the database's: one
+//! running turn per conversation (a partial unique index), unique message
+//! ids and event numbers (primary keys), never-lost charges (a balance is
+//! changed by one `UPDATE … RETURNING`, which locks the row), and head moves
+//! checked against the version under a row lock. Batches go in one
+//! statement (`UNNEST` of arrays) and a conversation's tree loads in one
+//! ordered query, so no request costs a round trip per row.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use arbor_core::ids::Millis;
+use arbor_core::{Event, Node};
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Transaction};
+
+use crate::codec::{self, NodeColumns, to_i64};
+use crate::*;
+
+/// The schema, embedded in the binary. Versions are the file name
+/// prefixes; a landed file is never edited.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "initial",
+    include_str!("../migrations/postgres/0001_initial.sql"),
+)];
+
+/// Connections per node. PostgreSQL's default limit is 100 connections in
+/// all, so a handful of nodes at this size leave room for admin sessions.
+const MAX_CONNECTIONS: u32 = 16;
+/// How long a request waits for a free connection before failing, rather
+/// than queueing forever behind a stuck pool.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Idle connections are closed after this, and every connection is replaced
+/// after `MAX_LIFETIME`, so a fail-over or a server restart heals by itself.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
+
+/// A PostgreSQL database behind the [`Store`] trait.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+impl PostgresStore {
+    /// Connects to `postgres://…` (or `postgresql://…`) and applies the
+    /// migrations it lacks. Nodes starting together are safe: the migrator
+    /// holds an advisory lock while it works.
+    pub async fn open(url: &str) -> StoreResult<PostgresStore> {
+        let options = PgConnectOptions::from_str(url)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(MAX_CONNECTIONS)
+            .min_connections(1)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .idle_timeout(IDLE_TIMEOUT)
+            .max_lifetime(MAX_LIFETIME)
+            .connect_with(options)
+            .await?;
+        codec::migrator(MIGRATIONS)
+            .run(&pool)
+            .await
+            .map_err(|error| StoreError::Database(format!("migrating the database: {error}")))?;
+        Ok(PostgresStore { pool })
+    }
+
+    async fn begin(&self) -> StoreResult<Transaction<'static, Postgres>> {
+        Ok(self.pool.begin().await?)
+    }
+}
+
+/// Inserts a batch of nodes in one statement. `WITH ORDINALITY … ORDER BY`
+/// hands the rows to the insert in batch order, so `seq` (the creation
+/// order) follows the order the engine gave. Foreign keys are checked at
+/// the end of the statement, so a node may name an earlier one of the same
+/// batch as its parent.
+const NODES_INSERT: &str = concat!(
+    "INSERT INTO messages (",
+    node_columns!(),
+    ") SELECT ",
+    node_columns!(),
+    " FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+     $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], \
+     $14::text[], $15::text[], $16::bigint[]) WITH ORDINALITY AS batch (",
+    node_columns!(),
+    ", position) ORDER BY position"
+);
+
+/// One node, inserted or, when its id exists, updated in place (identity
+/// and place in the tree stay as they were).
+const NODE_UPSERT: &str = concat!(
+    "INSERT INTO messages (",
+    node_columns!(),
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+     ON CONFLICT (conversation_id, id) DO UPDATE SET \
+     content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
+     tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
+     tool_status = excluded.tool_status, model = excluded.model, \
+     provider = excluded.provider, status = excluded.status"
+);
+
+async fn insert_nodes(tx: &mut Transaction<'static, Postgres>, nodes: &[Node]) -> StoreResult<()> {
+    // Column-wise arrays, one per parameter.
+    let mut conversation_ids = Vec::with_capacity(nodes.len());
+    let mut ids = Vec::with_capacity(nodes.len());
+    let mut parent_ids = Vec::with_capacity(nodes.len());
+    let mut roles = Vec::with_capacity(nodes.len());
+    let mut contents = Vec::with_capacity(nodes.len());
+    let mut parts = Vec::with_capacity(nodes.len());
+    let mut tool_calls = Vec::with_capacity(nodes.len());
+    let mut tool_call_ids = Vec::with_capacity(nodes.len());
+    let mut tool_names = Vec::with_capacity(nodes.len());
+    let mut tool_statuses = Vec::with_capacity(nodes.len());
+    let mut models = Vec::with_capacity(nodes.len());
+    let mut providers = Vec::with_capacity(nodes.len());
+    let mut turn_ids = Vec::with_capacity(nodes.len());
+    let mut copied_froms = Vec::with_capacity(nodes.len());
+    let mut statuses = Vec::with_capacity(nodes.len());
+    let mut created_ats = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        let columns = NodeColumns::new(node)?;
+        conversation_ids.push(node.conversation_id.as_str());
+        ids.push(node.id.as_str());
+        parent_ids.push(node.parent_id.as_deref());
+        roles.push(node.message.role.as_str());
+        contents.push(node.message.content.as_deref());
+        parts.push(columns.parts);
+        tool_calls.push(columns.tool_calls);
+        tool_call_ids.push(node.message.tool_call_id.as_deref());
+        tool_names.push(node.message.tool_name.as_deref());
+        tool_statuses.push(columns.tool_status);
+        models.push(node.model.as_deref());
+        providers.push(node.provider.as_deref());
+        turn_ids.push(node.turn_id.as_deref());
+        copied_froms.push(node.copied_from.as_deref());
+        statuses.push(node.status.as_str());
+        created_ats.push(node.created_at);
+    }
+    sqlx::query(NODES_INSERT)
+        .bind(conversation_ids)
+        .bind(ids)
+        .bind(parent_ids)
+        .bind(roles)
+        .bind(contents)
+        .bind(parts)
+        .bind(tool_calls)
+        .bind(tool_call_ids)
+        .bind(tool_names)
+        .bind(tool_statuses)
+        .bind(models)
+        .bind(providers)
+        .bind(turn_ids)
+        .bind(copied_froms)
+        .bind(statuses)
+        .bind(created_ats)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+async fn upsert_node(tx: &mut Transaction<'static, Postgres>, node: &Node) -> StoreResult<()> {
+    let columns = NodeColumns::new(node)?;
+    sqlx::query(NODE_UPSERT)
+        .bind(&node.conversation_id)
+        .bind(&node.id)
+        .bind(&node.parent_id)
+        .bind(node.message.role.as_str())
+        .bind(&node.message.content)
+        .bind(&columns.parts)
+        .bind(&columns.tool_calls)
+        .bind(&node.message.tool_call_id)
+        .bind(&node.message.tool_name)
+        .bind(columns.tool_status)
+        .bind(&node.model)
+        .bind(&node.provider)
+        .bind(&node.turn_id)
+        .bind(&node.copied_from)
+        .bind(node.status.as_str())
+        .bind(node.created_at)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn create_user(&self, user: &User) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO users (id, name, is_admin, balance_credits, created_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&user.id)
+        .bind(&user.name)
+        .bind(user.is_admin)
+        .bind(user.balance_credits)
+        .bind(user.created_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            user_columns!(),
+            " FROM users WHERE name = $1"
+        ))
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(codec::user_from_row).transpose()
+    }
+
+    async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            user_columns!(),
+            " FROM users WHERE id = $1"
+        ))
+        .bind(user_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(codec::user_from_row).transpose()
+    }
+
+    async fn count_users(&self) -> StoreResult<u64> {
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(codec::to_u64(count))
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO api_keys (id, user_id, key_hash, prefix, created_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&key.id)
+        .bind(&key.user_id)
+        .bind(&key.key_hash)
+        .bind(&key.prefix)
+        .bind(key.created_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn user_by_key_hash(&self, key_hash: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query(
+            "SELECT users.id, users.name, users.is_admin, users.balance_credits, \
+             users.created_at FROM api_keys JOIN users ON users.id = api_keys.user_id \
+             WHERE api_keys.key_hash = $1 AND api_keys.revoked_at IS NULL",
+        )
+        .bind(key_hash)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(codec::user_from_row).transpose()
+    }
+
+    async fn create_conversation(&self, conversation: &Conversation) -> StoreResult<()> {
+        sqlx::query(concat!(
+            "INSERT INTO conversations (",
+            conversation_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+        ))
+        .bind(&conversation.id)
+        .bind(&conversation.owner_id)
+        .bind(&conversation.title)
+        .bind(&conversation.system_prompt)
+        .bind(&conversation.preset_id)
+        .bind(&conversation.model)
+        .bind(&conversation.head_id)
+        .bind(conversation.head_version)
+        .bind(&conversation.summary)
+        .bind(conversation.created_at)
+        .bind(conversation.updated_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+    ) -> StoreResult<Option<Conversation>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            conversation_columns!(),
+            " FROM conversations WHERE owner_id = $1 AND id = $2"
+        ))
+        .bind(owner_id)
+        .bind(conversation_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(codec::conversation_from_row).transpose()
+    }
+
+    async fn list_conversations(
+        &self,
+        owner_id: &str,
+        cursor: Option<&ConversationCursor>,
+        limit: u32,
+    ) -> StoreResult<Vec<Conversation>> {
+        // Keyset pagination on the (owner_id, created_at DESC, id DESC)
+        // index: a page costs the same however deep it is.
+        let rows = match cursor {
+            None => {
+                sqlx::query(concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    " FROM conversations WHERE owner_id = $1 \
+                     ORDER BY created_at DESC, id DESC LIMIT $2"
+                ))
+                .bind(owner_id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await?
+            }
+            Some(cursor) => {
+                sqlx::query(concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    " FROM conversations WHERE owner_id = $1 AND (created_at, id) < ($2, $3) \
+                     ORDER BY created_at DESC, id DESC LIMIT $4"
+                ))
+                .bind(owner_id)
+                .bind(cursor.created_at)
+                .bind(&cursor.id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await?
+            }
+        };
+        rows.iter().map(codec::conversation_from_row).collect()
+    }
+
+    async fn update_conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+        update: &ConversationUpdate,
+    ) -> StoreResult<Conversation> {
+        let row = sqlx::query(concat!(
+            "UPDATE conversations SET title = COALESCE($1, title), \
+             system_prompt = COALESCE($2, system_prompt), model = COALESCE($3, model), \
+             updated_at = $4 WHERE owner_id = $5 AND id = $6 RETURNING ",
+            conversation_columns!()
+        ))
+        .bind(&update.title)
+        .bind(&update.system_prompt)
+        .bind(&update.model)
+        .bind(update.updated_at)
+        .bind(owner_id)
+        .bind(conversation_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        match row {
+            Some(row) => codec::conversation_from_row(&row),
+            None => Err(StoreError::NotFound),
+        }
+    }
+
+    async fn delete_conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<()> {
+        // Messages, turns and events go with it (ON DELETE CASCADE); api
+        // calls and the ledger stay, as billing history.
+        let result = sqlx::query("DELETE FROM conversations WHERE owner_id = $1 AND id = $2")
+            .bind(owner_id)
+            .bind(conversation_id)
+            .execute(&self.pool)
+            .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn set_head(
+        &self,
+        conversation_id: &str,
+        head_id: Option<&str>,
+        expected_version: Option<i64>,
+        updated_at: Millis,
+    ) -> StoreResult<i64> {
+        let mut tx = self.begin().await?;
+        // The row lock holds other nodes' head moves off until this one
+        // commits, so the version compared is the version replaced.
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = $1 FOR UPDATE")
+                .bind(conversation_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let current = current.ok_or(StoreError::NotFound)?;
+        if let Some(expected) = expected_version
+            && expected != current
+        {
+            return Err(StoreError::HeadVersionMismatch { current });
+        }
+        if let Some(head_id) = head_id {
+            let exists: Option<i32> =
+                sqlx::query_scalar("SELECT 1 FROM messages WHERE conversation_id = $1 AND id = $2")
+                    .bind(conversation_id)
+                    .bind(head_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if exists.is_none() {
+                return Err(StoreError::NotFound);
+            }
+        }
+        let version: i64 = sqlx::query_scalar(
+            "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
+             updated_at = $2 WHERE id = $3 RETURNING head_version",
+        )
+        .bind(head_id)
+        .bind(updated_at)
+        .bind(conversation_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(version)
+    }
+
+    async fn append_messages(&self, nodes: &[Node], updated_at: Millis) -> StoreResult<i64> {
+        let (conversation_id, last_id) = codec::batch_target(nodes)?;
+        let mut tx = self.begin().await?;
+        insert_nodes(&mut tx, nodes).await?;
+        let version: Option<i64> = sqlx::query_scalar(
+            "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
+             updated_at = $2 WHERE id = $3 RETURNING head_version",
+        )
+        .bind(last_id)
+        .bind(updated_at)
+        .bind(conversation_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let version = version.ok_or(StoreError::NotFound)?;
+        tx.commit().await?;
+        Ok(version)
+    }
+
+    async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM messages WHERE conversation_id = $1 ORDER BY seq"
+        ))
+        .bind(conversation_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(codec::node_from_row).collect()
+    }
+
+    async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM messages WHERE conversation_id = $1 AND id = $2"
+        ))
+        .bind(conversation_id)
+        .bind(message_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(codec::node_from_row).transpose()
+    }
+
+    async fn update_message(&self, node: &Node) -> StoreResult<()> {
+        let columns = NodeColumns::new(node)?;
+        let result = sqlx::query(
+            "UPDATE messages SET content = $1, parts = $2, tool_calls = $3, tool_call_id = $4, \
+             tool_name = $5, tool_status = $6, model = $7, provider = $8, status = $9 \
+             WHERE conversation_id = $10 AND id = $11",
+        )
+        .bind(&node.message.content)
+        .bind(&columns.parts)
+        .bind(&columns.tool_calls)
+        .bind(&node.message.tool_call_id)
+        .bind(&node.message.tool_name)
+        .bind(columns.tool_status)
+        .bind(&node.model)
+        .bind(&node.provider)
+        .bind(node.status.as_str())
+        .bind(&node.conversation_id)
+        .bind(&node.id)
+        .execute(&self.pool)
+        .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn insert_turn(&self, turn: &Turn) -> StoreResult<()> {
+        sqlx::query(concat!(
+            "INSERT INTO turns (",
+            turn_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+             $17, $18, $19)"
+        ))
+        .bind(&turn.id)
+        .bind(&turn.conversation_id)
+        .bind(&turn.user_id)
+        .bind(&turn.user_message_id)
+        .bind(turn.status.as_str())
+        .bind(&turn.model)
+        .bind(i64::from(turn.iterations))
+        .bind(to_i64(turn.usage.input_tokens))
+        .bind(to_i64(turn.usage.output_tokens))
+        .bind(to_i64(turn.usage.thinking_tokens))
+        .bind(to_i64(turn.usage.cached_tokens))
+        .bind(to_i64(turn.usage.cache_write_tokens))
+        .bind(to_i64(turn.cost_micro_usd))
+        .bind(&turn.reply_message_id)
+        .bind(&turn.error_code)
+        .bind(&turn.error_message)
+        .bind(turn.created_at)
+        .bind(turn.started_at)
+        .bind(turn.finished_at)
+        .execute(&self.pool)
+        .await
+        .map_err(codec::running_turn_conflict)?;
+        Ok(())
+    }
+
+    async fn update_turn(&self, turn: &Turn) -> StoreResult<()> {
+        let result = sqlx::query(
+            "UPDATE turns SET status = $1, model = $2, iterations = $3, input_tokens = $4, \
+             output_tokens = $5, thinking_tokens = $6, cached_tokens = $7, \
+             cache_write_tokens = $8, cost_micro_usd = $9, reply_message_id = $10, \
+             error_code = $11, error_message = $12, started_at = $13, finished_at = $14 \
+             WHERE conversation_id = $15 AND id = $16",
+        )
+        .bind(turn.status.as_str())
+        .bind(&turn.model)
+        .bind(i64::from(turn.iterations))
+        .bind(to_i64(turn.usage.input_tokens))
+        .bind(to_i64(turn.usage.output_tokens))
+        .bind(to_i64(turn.usage.thinking_tokens))
+        .bind(to_i64(turn.usage.cached_tokens))
+        .bind(to_i64(turn.usage.cache_write_tokens))
+        .bind(to_i64(turn.cost_micro_usd))
+        .bind(&turn.reply_message_id)
+        .bind(&turn.error_code)
+        .bind(&turn.error_message)
+        .bind(turn.started_at)
+        .bind(turn.finished_at)
+        .bind(&turn.conversation_id)
+        .bind(&turn.id)
+        .execute(&self.pool)
+        .await
+        .map_err(codec::running_turn_conflict)?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            turn_columns!(),
+            " FROM turns WHERE conversation_id = $1 AND id = $2"
+        ))
+        .bind(conversation_id)
+        .bind(turn_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(codec::turn_from_row).transpose()
+    }
+
+    async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>> {
+        let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            turn_columns!(),
+            " FROM turns WHERE status = ANY($1) ORDER BY created_at, id"
+        ))
+        .bind(names)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(codec::turn_from_row).collect()
+    }
+
+    async fn record_call(
+        &self,
+        call: &ApiCall,
+        message: Option<&Node>,
+    ) -> StoreResult<LedgerEntry> {
+        let mut tx = self.begin().await?;
+        if let Some(node) = message {
+            upsert_node(&mut tx, node).await?;
+        }
+        sqlx::query(concat!(
+            "INSERT INTO api_calls (",
+            api_call_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+             $17, $18)"
+        ))
+        .bind(&call.id)
+        .bind(&call.turn_id)
+        .bind(&call.conversation_id)
+        .bind(&call.user_id)
+        .bind(&call.kind)
+        .bind(&call.provider)
+        .bind(&call.model)
+        .bind(to_i64(call.usage.input_tokens))
+        .bind(to_i64(call.usage.output_tokens))
+        .bind(to_i64(call.usage.thinking_tokens))
+        .bind(to_i64(call.usage.cached_tokens))
+        .bind(to_i64(call.usage.cache_write_tokens))
+        .bind(to_i64(call.latency_ms))
+        .bind(call.ttft_ms.map(to_i64))
+        .bind(&call.status)
+        .bind(&call.error_code)
+        .bind(to_i64(call.cost_micro_usd))
+        .bind(call.created_at)
+        .execute(&mut *tx)
+        .await?;
+        let credits = to_i64(call.cost_micro_usd);
+        // One statement reads and writes the balance under the row lock, so
+        // charges from every node add up and none is lost. A NULL
+        // (unlimited) balance stays NULL.
+        let balance_after: Option<Option<i64>> = sqlx::query_scalar(
+            "UPDATE users SET balance_credits = balance_credits - $1 WHERE id = $2 \
+             RETURNING balance_credits",
+        )
+        .bind(credits)
+        .bind(&call.user_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let balance_after = balance_after.ok_or(StoreError::NotFound)?;
+        let entry = LedgerEntry {
+            // One charge per call, so the call's id names its ledger row too
+            // and the store invents no id of its own.
+            id: call.id.clone(),
+            user_id: call.user_id.clone(),
+            api_call_id: call.id.clone(),
+            credits,
+            balance_after,
+            created_at: call.created_at,
+        };
+        sqlx::query(concat!(
+            "INSERT INTO cost_ledger (",
+            ledger_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6)"
+        ))
+        .bind(&entry.id)
+        .bind(&entry.user_id)
+        .bind(&entry.api_call_id)
+        .bind(entry.credits)
+        .bind(entry.balance_after)
+        .bind(entry.created_at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(entry)
+    }
+
+    async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            api_call_columns!(),
+            " FROM api_calls WHERE turn_id = $1 ORDER BY created_at, id"
+        ))
+        .bind(turn_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(codec::api_call_from_row).collect()
+    }
+
+    async fn ledger(&self, user_id: &str, limit: u32) -> StoreResult<Vec<LedgerEntry>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            ledger_columns!(),
+            " FROM cost_ledger WHERE user_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2"
+        ))
+        .bind(user_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(codec::ledger_from_row).collect()
+    }
+
+    async fn set_balance(&self, user_id: &str, balance: Option<i64>) -> StoreResult<()> {
+        let result = sqlx::query("UPDATE users SET balance_credits = $1 WHERE id = $2")
+            .bind(balance)
+            .bind(user_id)
+            .execute(&self.pool)
+            .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn append_events(&self, events: &[Event]) -> StoreResult<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let conversation_ids: Vec<&str> = events.iter().map(|e| &*e.conversation_id).collect();
+        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+        let turn_ids: Vec<Option<&str>> = events.iter().map(|e| e.turn_id.as_deref()).collect();
+        let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
+        let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
+        let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
+        // One statement is one transaction: a batch is stored whole or not
+        // at all.
+        sqlx::query(concat!(
+            "INSERT INTO events (",
+            event_columns!(),
+            ") SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::text[], \
+             $5::text[], $6::bigint[])"
+        ))
+        .bind(conversation_ids)
+        .bind(seqs)
+        .bind(turn_ids)
+        .bind(names)
+        .bind(data)
+        .bind(created_ats)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn events_after(
+        &self,
+        conversation_id: &str,
+        after: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<Event>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            event_columns!(),
+            " FROM events WHERE conversation_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+        ))
+        .bind(conversation_id)
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(codec::event_from_row).collect()
+    }
+
+    async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
+        let seq: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE conversation_id = $1",
+        )
+        .bind(conversation_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(seq)
+    }
+}
