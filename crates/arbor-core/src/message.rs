@@ -215,14 +215,14 @@ pub struct Node {
     #[serde(flatten)]
     pub message: Message,
     /// The model that wrote it (assistant messages).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub model: Option<String>,
     /// The provider that served `model`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub provider: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub turn_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub copied_from: Option<String>,
     #[serde(default)]
     pub status: NodeStatus,

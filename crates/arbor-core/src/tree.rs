@@ -15,7 +15,11 @@ pub struct Tree {
 
 impl Tree {
     pub fn new(nodes: Vec<Node>) -> Tree {
-        let by_id = nodes.iter().enumerate().map(|(index, node)| (node.id.clone(), index)).collect();
+        let by_id = nodes
+            .iter()
+            .enumerate()
+            .map(|(index, node)| (node.id.clone(), index))
+            .collect();
         Tree { nodes, by_id }
     }
 
@@ -55,7 +59,10 @@ impl Tree {
                 break;
             }
             path.push(node);
-            current = node.parent_id.as_deref().and_then(|parent| self.get(parent));
+            current = node
+                .parent_id
+                .as_deref()
+                .and_then(|parent| self.get(parent));
         }
         path.reverse();
         path
@@ -85,8 +92,18 @@ mod tests {
     #[test]
     fn path_runs_from_root_to_the_leaf_and_ignores_other_branches() {
         // u1 → a1 → u2, and an edit e1 under u1.
-        let tree = Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1")), node("e1", Some("u1"))]);
-        let ids = |leaf| tree.path_to(leaf).iter().map(|node| node.id.clone()).collect::<Vec<_>>();
+        let tree = Tree::new(vec![
+            node("u1", None),
+            node("a1", Some("u1")),
+            node("u2", Some("a1")),
+            node("e1", Some("u1")),
+        ]);
+        let ids = |leaf| {
+            tree.path_to(leaf)
+                .iter()
+                .map(|node| node.id.clone())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(ids("u2"), ["u1", "a1", "u2"]);
         assert_eq!(ids("e1"), ["u1", "e1"]);
         assert!(ids("missing").is_empty());

@@ -19,8 +19,17 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: impl Into<String>, message: impl Into<String>) -> ApiError {
-        ApiError { status, code: code.into(), message: message.into(), extra: Map::new() }
+    pub fn new(
+        status: StatusCode,
+        code: impl Into<String>,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError {
+            status,
+            code: code.into(),
+            message: message.into(),
+            extra: Map::new(),
+        }
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -50,19 +59,38 @@ impl From<EngineError> for ApiError {
         let message = error.to_string();
         match error {
             EngineError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "not_found", message),
-            EngineError::InvalidInput(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message),
-            EngineError::UnknownModel(model) => ApiError::new(StatusCode::BAD_REQUEST, "unknown_model", message).with("model", model),
-            EngineError::ModelUnavailable(_) => ApiError::new(StatusCode::BAD_REQUEST, "model_unavailable", message),
-            EngineError::TurnRunning { turn_id } => ApiError::new(StatusCode::CONFLICT, "turn_running", message).with("turn_id", turn_id),
+            EngineError::InvalidInput(_) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+            }
+            EngineError::UnknownModel(model) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "unknown_model", message)
+                    .with("model", model)
+            }
+            EngineError::ModelUnavailable(_) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "model_unavailable", message)
+            }
+            EngineError::TurnRunning { turn_id } => {
+                ApiError::new(StatusCode::CONFLICT, "turn_running", message)
+                    .with("turn_id", turn_id)
+            }
             EngineError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", message),
             EngineError::HeadVersionMismatch { current } => {
-                ApiError::new(StatusCode::CONFLICT, "head_version_mismatch", message).with("head_version", current)
+                ApiError::new(StatusCode::CONFLICT, "head_version_mismatch", message)
+                    .with("head_version", current)
             }
-            EngineError::QuotaExceeded => ApiError::new(StatusCode::PAYMENT_REQUIRED, "quota_exceeded", message),
-            EngineError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message),
+            EngineError::QuotaExceeded => {
+                ApiError::new(StatusCode::PAYMENT_REQUIRED, "quota_exceeded", message)
+            }
+            EngineError::ShuttingDown => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
+            }
             EngineError::Store(_) | EngineError::Internal(_) => {
                 tracing::error!(error = %message, "request failed on a server fault");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the server failed to handle this request; it has been logged")
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the server failed to handle this request; it has been logged",
+                )
             }
         }
     }
@@ -72,10 +100,26 @@ impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> ApiError {
         let status = rejection.status();
         if status == StatusCode::PAYLOAD_TOO_LARGE {
-            return ApiError::new(status, "payload_too_large", "the request body is larger than this server accepts");
+            return ApiError::new(
+                status,
+                "payload_too_large",
+                "the request body is larger than this server accepts",
+            );
         }
-        let code = if status == StatusCode::UNSUPPORTED_MEDIA_TYPE { "unsupported_media_type" } else { "invalid_json" };
-        ApiError::new(status, code, rejection.body_text())
+        if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+            return ApiError::new(
+                status,
+                "unsupported_media_type",
+                "send the body as JSON with `content-type: application/json`",
+            );
+        }
+        // Broken syntax and well-formed JSON of the wrong shape (a missing
+        // or unknown field, a wrong type) are both the caller's bad input.
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            rejection.body_text(),
+        )
     }
 }
 

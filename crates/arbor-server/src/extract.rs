@@ -17,14 +17,22 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Caller, ApiError> {
-        let header = parts.headers.get(AUTHORIZATION).and_then(|value| value.to_str().ok()).ok_or_else(ApiError::unauthorized)?;
+        let header = parts
+            .headers
+            .get(AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .ok_or_else(ApiError::unauthorized)?;
         let key = header
             .strip_prefix("Bearer ")
             .or_else(|| header.strip_prefix("bearer "))
             .map(str::trim)
             .filter(|key| !key.is_empty() && key.len() <= 256)
             .ok_or_else(ApiError::unauthorized)?;
-        let user = state.engine.authenticate(key).await?.ok_or_else(ApiError::unauthorized)?;
+        let user = state
+            .engine
+            .authenticate(key)
+            .await?
+            .ok_or_else(ApiError::unauthorized)?;
         Ok(Caller(user))
     }
 }
@@ -49,7 +57,8 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Query<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Query<T>, ApiError> {
-        let axum::extract::Query(value) = axum::extract::Query::<T>::from_request_parts(parts, state).await?;
+        let axum::extract::Query(value) =
+            axum::extract::Query::<T>::from_request_parts(parts, state).await?;
         Ok(Query(value))
     }
 }

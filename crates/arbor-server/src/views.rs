@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use arbor_core::Cost;
-use arbor_core::ids::rfc3339;
 use arbor_core::Node;
+use arbor_core::ids::rfc3339;
 use arbor_store::{ApiCall, Conversation, Turn};
 use serde_json::{Value, json};
 
@@ -42,8 +42,13 @@ pub fn nodes(nodes: &[Node]) -> Vec<Value> {
 }
 
 pub fn turn(turn: &Turn) -> Value {
-    let cost = Cost { micro_usd: turn.cost_micro_usd };
-    let error = turn.error_code.as_ref().map(|code| json!({"code": code, "message": turn.error_message}));
+    let cost = Cost {
+        micro_usd: turn.cost_micro_usd,
+    };
+    let error = turn
+        .error_code
+        .as_ref()
+        .map(|code| json!({"code": code, "message": turn.error_message}));
     json!({
         "id": turn.id,
         "conversation_id": turn.conversation_id,
@@ -65,7 +70,9 @@ pub fn turn(turn: &Turn) -> Value {
 }
 
 pub fn api_call(call: &ApiCall) -> Value {
-    let cost = Cost { micro_usd: call.cost_micro_usd };
+    let cost = Cost {
+        micro_usd: call.cost_micro_usd,
+    };
     json!({
         "id": call.id,
         "kind": call.kind,

@@ -19,7 +19,10 @@ use crate::views;
 pub fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/conversations", get(list).post(create))
-        .route("/v1/conversations/{id}", get(read).patch(update).delete(remove))
+        .route(
+            "/v1/conversations/{id}",
+            get(read).patch(update).delete(remove),
+        )
 }
 
 #[derive(Deserialize)]
@@ -30,12 +33,26 @@ struct CreateRequest {
     system_prompt: Option<String>,
 }
 
-async fn create(State(state): State<AppState>, Caller(user): Caller, Json(body): Json<CreateRequest>) -> ApiResult<impl IntoResponse> {
+async fn create(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Json(body): Json<CreateRequest>,
+) -> ApiResult<impl IntoResponse> {
     let conversation = state
         .engine
-        .create_conversation(&user, NewConversation { title: body.title, model: body.model, system_prompt: body.system_prompt })
+        .create_conversation(
+            &user,
+            NewConversation {
+                title: body.title,
+                model: body.model,
+                system_prompt: body.system_prompt,
+            },
+        )
         .await?;
-    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(views::conversation(&conversation)),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -46,25 +63,49 @@ struct ListQuery {
     cursor: Option<String>,
 }
 
-async fn list(State(state): State<AppState>, Caller(user): Caller, Query(query): Query<ListQuery>) -> ApiResult<impl IntoResponse> {
+async fn list(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Query(query): Query<ListQuery>,
+) -> ApiResult<impl IntoResponse> {
     let cursor = query.cursor.as_deref().map(parse_cursor).transpose()?;
     let limit = query.limit.unwrap_or(20).clamp(1, 100);
-    let conversations = state.engine.list_conversations(&user, cursor, limit).await?;
+    let conversations = state
+        .engine
+        .list_conversations(&user, cursor, limit)
+        .await?;
     let next_cursor = (conversations.len() == limit as usize)
-        .then(|| conversations.last().map(|last| format!("{}.{}", last.created_at, last.id)))
+        .then(|| {
+            conversations
+                .last()
+                .map(|last| format!("{}.{}", last.created_at, last.id))
+        })
         .flatten();
     let items: Vec<_> = conversations.iter().map(views::conversation).collect();
-    Ok(axum::Json(json!({ "conversations": items, "next_cursor": next_cursor })))
+    Ok(axum::Json(
+        json!({ "conversations": items, "next_cursor": next_cursor }),
+    ))
 }
 
 fn parse_cursor(text: &str) -> ApiResult<ConversationCursor> {
-    let invalid = || ApiError::bad_request(format!("cursor {text:?} is not valid: pass the next_cursor of the previous page"));
+    let invalid = || {
+        ApiError::bad_request(format!(
+            "cursor {text:?} is not valid: pass the next_cursor of the previous page"
+        ))
+    };
     let (millis, id) = text.split_once('.').ok_or_else(invalid)?;
     let created_at = millis.parse().map_err(|_| invalid())?;
-    Ok(ConversationCursor { created_at, id: id.to_string() })
+    Ok(ConversationCursor {
+        created_at,
+        id: id.to_string(),
+    })
 }
 
-async fn read(State(state): State<AppState>, Caller(user): Caller, Path(id): Path<String>) -> ApiResult<impl IntoResponse> {
+async fn read(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
     let tree = state.engine.conversation_tree(&user, &id).await?;
     let mut body = views::conversation(&tree.conversation);
     body["messages"] = json!(views::nodes(&tree.messages));
@@ -85,12 +126,21 @@ async fn update(
     Path(id): Path<String>,
     Json(body): Json<UpdateRequest>,
 ) -> ApiResult<impl IntoResponse> {
-    let update = ConversationUpdate { title: body.title, system_prompt: body.system_prompt, model: body.model, updated_at: 0 };
+    let update = ConversationUpdate {
+        title: body.title,
+        system_prompt: body.system_prompt,
+        model: body.model,
+        updated_at: 0,
+    };
     let conversation = state.engine.update_conversation(&user, &id, update).await?;
     Ok(axum::Json(views::conversation(&conversation)))
 }
 
-async fn remove(State(state): State<AppState>, Caller(user): Caller, Path(id): Path<String>) -> ApiResult<impl IntoResponse> {
+async fn remove(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
     state.engine.delete_conversation(&user, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

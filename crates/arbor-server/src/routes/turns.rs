@@ -22,7 +22,10 @@ pub fn router() -> Router<AppState> {
         .route("/v1/conversations/{id}/messages", post(submit))
         .route("/v1/conversations/{id}/events", get(events))
         .route("/v1/conversations/{id}/turns/{turn}", get(read_turn))
-        .route("/v1/conversations/{id}/turns/{turn}/cancel", post(cancel_turn))
+        .route(
+            "/v1/conversations/{id}/turns/{turn}/cancel",
+            post(cancel_turn),
+        )
 }
 
 #[derive(Deserialize)]
@@ -57,10 +60,17 @@ async fn submit(
     Json(body): Json<SubmitRequest>,
 ) -> ApiResult<Response> {
     let visibility = sse::visibility(query.visibility.as_deref())?;
-    let submit = Submit { content: body.content, model: body.model, id: body.id, parent_id: body.parent_id };
+    let submit = Submit {
+        content: body.content,
+        model: body.model,
+        id: body.id,
+        parent_id: body.parent_id,
+    };
     let handle = state.engine.submit(&user, &id, submit).await?;
     if wants_event_stream(&headers) {
-        return Ok(sse::respond(handle.events, visibility, state.streams_end.clone()).into_response());
+        return Ok(
+            sse::respond(handle.events, visibility, state.streams_end.clone()).into_response(),
+        );
     }
     let outcome = handle.outcome().await?;
     Ok(outcome_response(&outcome))
@@ -78,7 +88,9 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
     };
     let status = match code {
         "rate_limit" => StatusCode::TOO_MANY_REQUESTS,
-        "context_length_exceeded" | "invalid_request" | "content_filter" => StatusCode::UNPROCESSABLE_ENTITY,
+        "context_length_exceeded" | "invalid_request" | "content_filter" => {
+            StatusCode::UNPROCESSABLE_ENTITY
+        }
         "timeout" => StatusCode::GATEWAY_TIMEOUT,
         "cancelled" | "interrupted" => StatusCode::CONFLICT,
         _ => StatusCode::BAD_GATEWAY,
@@ -99,29 +111,51 @@ async fn events(
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let visibility = sse::visibility(query.visibility.as_deref())?;
-    let last_event_id = headers.get("last-event-id").and_then(|value| value.to_str().ok()).map(str::trim);
+    let last_event_id = headers
+        .get("last-event-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::trim);
     let after = match (query.after, last_event_id) {
         (Some(after), _) => after,
-        (None, Some(text)) => text
-            .parse()
-            .map_err(|_| ApiError::bad_request(format!("Last-Event-ID {text:?} is not an event id (a number)")))?,
+        (None, Some(text)) => text.parse().map_err(|_| {
+            ApiError::bad_request(format!(
+                "Last-Event-ID {text:?} is not an event id (a number)"
+            ))
+        })?,
         (None, None) => 0,
     };
     if after < 0 {
         return Err(ApiError::bad_request("after must be 0 or more"));
     }
-    let stream = state.engine.events(&user, &id, after, Until::Forever).await?;
+    let stream = state
+        .engine
+        .events(&user, &id, after, Until::Forever)
+        .await?;
     Ok(sse::respond(stream, visibility, state.streams_end.clone()).into_response())
 }
 
-async fn read_turn(State(state): State<AppState>, Caller(user): Caller, Path((id, turn)): Path<(String, String)>) -> ApiResult<impl IntoResponse> {
+async fn read_turn(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path((id, turn)): Path<(String, String)>,
+) -> ApiResult<impl IntoResponse> {
     let details = state.engine.turn_details(&user, &id, &turn).await?;
     let mut body = views::turn(&details.turn);
-    body["api_calls"] = json!(details.api_calls.iter().map(views::api_call).collect::<Vec<_>>());
+    body["api_calls"] = json!(
+        details
+            .api_calls
+            .iter()
+            .map(views::api_call)
+            .collect::<Vec<_>>()
+    );
     Ok(axum::Json(body))
 }
 
-async fn cancel_turn(State(state): State<AppState>, Caller(user): Caller, Path((id, turn)): Path<(String, String)>) -> ApiResult<impl IntoResponse> {
+async fn cancel_turn(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path((id, turn)): Path<(String, String)>,
+) -> ApiResult<impl IntoResponse> {
     let turn = state.engine.cancel_turn(&user, &id, &turn).await?;
     Ok((StatusCode::ACCEPTED, axum::Json(views::turn(&turn))))
 }
