@@ -15,7 +15,9 @@ pub enum EngineError {
     #[error("{0}")]
     ModelUnavailable(String),
     /// A turn is already running on the conversation.
-    #[error("turn {turn_id} is still running on this conversation; wait for it, cancel it, or send with \"queue\": true")]
+    #[error(
+        "turn {turn_id} is still running on this conversation; wait for it, cancel it, or send with \"queue\": true"
+    )]
     TurnRunning { turn_id: String },
     #[error("{0}")]
     Conflict(String),

@@ -39,7 +39,9 @@ struct HubState {
 
 fn to_json(payload: &impl Serialize) -> Arc<str> {
     // Payloads are plain structs and json! values: serializing cannot fail.
-    serde_json::to_string(payload).unwrap_or_else(|_| "{}".to_string()).into()
+    serde_json::to_string(payload)
+        .unwrap_or_else(|_| "{}".to_string())
+        .into()
 }
 
 pub(crate) struct Hub {
@@ -80,11 +82,18 @@ impl Hub {
     fn lock(&self) -> MutexGuard<'_, HubState> {
         // A panic while holding this lock cannot leave the state half-written
         // (every update is a few field assignments), so poisoning is ignored.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Numbers, stores (batched) and broadcasts one event.
-    pub(crate) fn emit(&self, turn_id: Option<&Arc<str>>, name: EventName, payload: &impl Serialize) -> Event {
+    pub(crate) fn emit(
+        &self,
+        turn_id: Option<&Arc<str>>,
+        name: EventName,
+        payload: &impl Serialize,
+    ) -> Event {
         let data = to_json(payload);
         let mut state = self.lock();
         self.emit_locked(&mut state, turn_id, name, data)
@@ -92,16 +101,31 @@ impl Hub {
 
     /// Frees the turn slot and emits the turn's closing event atomically, so
     /// that no event of a next turn can come before it.
-    pub(crate) fn finish(&self, turn_id: &Arc<str>, name: EventName, payload: &impl Serialize) -> Event {
+    pub(crate) fn finish(
+        &self,
+        turn_id: &Arc<str>,
+        name: EventName,
+        payload: &impl Serialize,
+    ) -> Event {
         let data = to_json(payload);
         let mut state = self.lock();
-        if state.running.as_ref().is_some_and(|running| running.turn_id == *turn_id) {
+        if state
+            .running
+            .as_ref()
+            .is_some_and(|running| running.turn_id == *turn_id)
+        {
             state.running = None;
         }
         self.emit_locked(&mut state, Some(turn_id), name, data)
     }
 
-    fn emit_locked(&self, state: &mut HubState, turn_id: Option<&Arc<str>>, name: EventName, data: Arc<str>) -> Event {
+    fn emit_locked(
+        &self,
+        state: &mut HubState,
+        turn_id: Option<&Arc<str>>,
+        name: EventName,
+        data: Arc<str>,
+    ) -> Event {
         let event = Event {
             seq: state.next_seq,
             conversation_id: self.conversation_id.clone(),
@@ -114,7 +138,12 @@ impl Hub {
         state.last_active = Instant::now();
         state.recent.push_back(event.clone());
         let flushed = self.flushed.load(Ordering::Acquire);
-        while state.recent.len() > RECENT_KEPT && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed) {
+        while state.recent.len() > RECENT_KEPT
+            && state
+                .recent
+                .front()
+                .is_some_and(|oldest| oldest.seq <= flushed)
+        {
             state.recent.pop_front();
         }
         // Sending under the lock keeps the broadcast order equal to seq order.
@@ -129,16 +158,35 @@ impl Hub {
         let state = self.lock();
         let receiver = self.sender.subscribe();
         let last = state.next_seq - 1;
-        (last, Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver })
+        (
+            last,
+            Subscription {
+                backlog: Vec::new(),
+                memory_from: state.next_seq,
+                receiver,
+            },
+        )
     }
 
     /// Subscribes a viewer that has seen everything up to `after`.
     pub(crate) fn subscribe(&self, after: i64) -> Subscription {
         let state = self.lock();
         let receiver = self.sender.subscribe();
-        let memory_from = state.recent.front().map_or(state.next_seq, |oldest| oldest.seq);
-        let backlog = state.recent.iter().filter(|event| event.seq > after).cloned().collect();
-        Subscription { backlog, memory_from, receiver }
+        let memory_from = state
+            .recent
+            .front()
+            .map_or(state.next_seq, |oldest| oldest.seq);
+        let backlog = state
+            .recent
+            .iter()
+            .filter(|event| event.seq > after)
+            .cloned()
+            .collect();
+        Subscription {
+            backlog,
+            memory_from,
+            receiver,
+        }
     }
 
     /// Claims the turn slot, or returns the turn that holds it.
@@ -155,7 +203,11 @@ impl Hub {
     /// Frees the slot if `turn_id` holds it.
     pub(crate) fn release(&self, turn_id: &str) {
         let mut state = self.lock();
-        if state.running.as_ref().is_some_and(|running| &*running.turn_id == turn_id) {
+        if state
+            .running
+            .as_ref()
+            .is_some_and(|running| &*running.turn_id == turn_id)
+        {
             state.running = None;
         }
         state.last_active = Instant::now();

@@ -20,7 +20,10 @@ use std::time::{Duration, Instant};
 use arbor_core::ids::{new_id, now_millis};
 use arbor_core::message::NodeStatus;
 use arbor_core::{EventName, Message, Node};
-use arbor_store::{ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn, TurnStatus, User};
+use arbor_store::{
+    ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn,
+    TurnStatus, User,
+};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -94,12 +97,13 @@ impl TurnHandle {
     /// Waits until the turn has finished and been recorded.
     pub async fn outcome(mut self) -> EngineResult<TurnOutcome> {
         drop(self.events);
-        let outcome = self
-            .outcome
-            .wait_for(Option::is_some)
-            .await
-            .map_err(|_| EngineError::Internal("the turn task ended without an outcome".into()))?;
-        outcome.clone().ok_or_else(|| EngineError::Internal("the turn has no outcome".into()))
+        let outcome =
+            self.outcome.wait_for(Option::is_some).await.map_err(|_| {
+                EngineError::Internal("the turn task ended without an outcome".into())
+            })?;
+        outcome
+            .clone()
+            .ok_or_else(|| EngineError::Internal("the turn has no outcome".into()))
     }
 }
 
@@ -147,7 +151,11 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine: the event writer, and recovery of turns a previous
     /// process left running (they are marked interrupted).
-    pub async fn start(store: Arc<dyn Store>, models: Models, config: EngineConfig) -> EngineResult<Engine> {
+    pub async fn start(
+        store: Arc<dyn Store>,
+        models: Models,
+        config: EngineConfig,
+    ) -> EngineResult<Engine> {
         let (writer, _task) = EventWriter::start(store.clone());
         let engine = Engine {
             inner: Arc::new(Inner {
@@ -213,7 +221,11 @@ impl Engine {
 
     // ---- conversations ----
 
-    pub async fn create_conversation(&self, user: &User, new: NewConversation) -> EngineResult<Conversation> {
+    pub async fn create_conversation(
+        &self,
+        user: &User,
+        new: NewConversation,
+    ) -> EngineResult<Conversation> {
         let model = match new.model {
             Some(model) => {
                 self.inner.models.resolve(&model)?;
@@ -222,7 +234,11 @@ impl Engine {
             None => self.inner.models.default_model().to_string(),
         };
         validate_text("title", new.title.as_deref(), 1024)?;
-        validate_text("system_prompt", new.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
+        validate_text(
+            "system_prompt",
+            new.system_prompt.as_deref(),
+            self.inner.config.limits.max_message_bytes,
+        )?;
         let now = now_millis();
         let conversation = Conversation {
             id: new_id(),
@@ -241,7 +257,11 @@ impl Engine {
         Ok(conversation)
     }
 
-    pub async fn conversation(&self, user: &User, conversation_id: &str) -> EngineResult<Conversation> {
+    pub async fn conversation(
+        &self,
+        user: &User,
+        conversation_id: &str,
+    ) -> EngineResult<Conversation> {
         self.inner
             .store
             .conversation(&user.id, conversation_id)
@@ -249,47 +269,101 @@ impl Engine {
             .ok_or(EngineError::NotFound("conversation"))
     }
 
-    pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
+    pub async fn conversation_tree(
+        &self,
+        user: &User,
+        conversation_id: &str,
+    ) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
         let messages = self.inner.store.messages(&conversation.id).await?;
-        Ok(ConversationTree { conversation, messages })
+        Ok(ConversationTree {
+            conversation,
+            messages,
+        })
     }
 
-    pub async fn list_conversations(&self, user: &User, cursor: Option<ConversationCursor>, limit: u32) -> EngineResult<Vec<Conversation>> {
-        Ok(self.inner.store.list_conversations(&user.id, cursor.as_ref(), limit.clamp(1, 100)).await?)
+    pub async fn list_conversations(
+        &self,
+        user: &User,
+        cursor: Option<ConversationCursor>,
+        limit: u32,
+    ) -> EngineResult<Vec<Conversation>> {
+        Ok(self
+            .inner
+            .store
+            .list_conversations(&user.id, cursor.as_ref(), limit.clamp(1, 100))
+            .await?)
     }
 
-    pub async fn update_conversation(&self, user: &User, conversation_id: &str, mut update: ConversationUpdate) -> EngineResult<Conversation> {
+    pub async fn update_conversation(
+        &self,
+        user: &User,
+        conversation_id: &str,
+        mut update: ConversationUpdate,
+    ) -> EngineResult<Conversation> {
         if let Some(model) = &update.model {
             self.inner.models.resolve(model)?;
         }
         validate_text("title", update.title.as_deref(), 1024)?;
-        validate_text("system_prompt", update.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
+        validate_text(
+            "system_prompt",
+            update.system_prompt.as_deref(),
+            self.inner.config.limits.max_message_bytes,
+        )?;
         update.updated_at = now_millis();
-        self.inner.store.update_conversation(&user.id, conversation_id, &update).await.map_err(not_found("conversation"))
+        self.inner
+            .store
+            .update_conversation(&user.id, conversation_id, &update)
+            .await
+            .map_err(not_found("conversation"))
     }
 
-    pub async fn delete_conversation(&self, user: &User, conversation_id: &str) -> EngineResult<()> {
+    pub async fn delete_conversation(
+        &self,
+        user: &User,
+        conversation_id: &str,
+    ) -> EngineResult<()> {
         let conversation = self.conversation(user, conversation_id).await?;
-        if let Some(running) = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.running()) {
+        if let Some(running) = self
+            .hub_if_loaded(&conversation.id)
+            .and_then(|hub| hub.running())
+        {
             running.cancel.cancel();
         }
-        self.inner.store.delete_conversation(&user.id, conversation_id).await.map_err(not_found("conversation"))
+        self.inner
+            .store
+            .delete_conversation(&user.id, conversation_id)
+            .await
+            .map_err(not_found("conversation"))
     }
 
     // ---- turns ----
 
     /// Records the user's message and starts a turn on it.
-    pub async fn submit(&self, user: &User, conversation_id: &str, submit: Submit) -> EngineResult<TurnHandle> {
+    pub async fn submit(
+        &self,
+        user: &User,
+        conversation_id: &str,
+        submit: Submit,
+    ) -> EngineResult<TurnHandle> {
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
         let conversation = self.conversation(user, conversation_id).await?;
         if submit.content.trim().is_empty() {
-            return Err(EngineError::InvalidInput("content must not be empty".into()));
+            return Err(EngineError::InvalidInput(
+                "content must not be empty".into(),
+            ));
         }
-        validate_text("content", Some(&submit.content), self.inner.config.limits.max_message_bytes)?;
-        let model = self.inner.models.resolve(submit.model.as_deref().unwrap_or(&conversation.model))?;
+        validate_text(
+            "content",
+            Some(&submit.content),
+            self.inner.config.limits.max_message_bytes,
+        )?;
+        let model = self
+            .inner
+            .models
+            .resolve(submit.model.as_deref().unwrap_or(&conversation.model))?;
         if let Some(id) = &submit.id {
             validate_message_id(id)?;
         }
@@ -299,24 +373,54 @@ impl Engine {
                     .store
                     .message(&conversation.id, &parent_id)
                     .await?
-                    .ok_or_else(|| EngineError::InvalidInput(format!("parent_id {parent_id:?} is not a message of this conversation")))?;
+                    .ok_or_else(|| {
+                        EngineError::InvalidInput(format!(
+                            "parent_id {parent_id:?} is not a message of this conversation"
+                        ))
+                    })?;
                 Some(parent_id)
             }
             None => conversation.head_id.clone(),
         };
         // The quota is read fresh: the key cache may hold an old balance.
-        let fresh_user = self.inner.store.user(&user.id).await?.ok_or(EngineError::NotFound("user"))?;
-        if fresh_user.balance_credits.is_some_and(|balance| balance <= 0) {
+        let fresh_user = self
+            .inner
+            .store
+            .user(&user.id)
+            .await?
+            .ok_or(EngineError::NotFound("user"))?;
+        if fresh_user
+            .balance_credits
+            .is_some_and(|balance| balance <= 0)
+        {
             return Err(EngineError::QuotaExceeded);
         }
 
         let hub = self.hub(&conversation.id).await?;
         let turn_id: Arc<str> = Arc::from(new_id());
         let cancel = CancellationToken::new();
-        hub.claim(RunningTurn { turn_id: turn_id.clone(), cancel: cancel.clone() })
-            .map_err(|running| EngineError::TurnRunning { turn_id: running.to_string() })?;
+        hub.claim(RunningTurn {
+            turn_id: turn_id.clone(),
+            cancel: cancel.clone(),
+        })
+        .map_err(|running| EngineError::TurnRunning {
+            turn_id: running.to_string(),
+        })?;
 
-        match self.start_turn(&hub, fresh_user, conversation, model, submit.content, submit.id, parent_id, turn_id.clone(), cancel).await {
+        match self
+            .start_turn(
+                &hub,
+                fresh_user,
+                conversation,
+                model,
+                submit.content,
+                submit.id,
+                parent_id,
+                turn_id.clone(),
+                cancel,
+            )
+            .await
+        {
             Ok(handle) => Ok(handle),
             Err(error) => {
                 hub.release(&turn_id);
@@ -352,10 +456,17 @@ impl Engine {
             created_at: now,
         };
         // The user's message is durable before anything else happens.
-        self.inner.store.append_messages(std::slice::from_ref(&user_message), now).await.map_err(|error| match error {
-            StoreError::Conflict(_) => EngineError::Conflict(format!("message id {:?} already exists in this conversation", user_message.id)),
-            other => other.into(),
-        })?;
+        self.inner
+            .store
+            .append_messages(std::slice::from_ref(&user_message), now)
+            .await
+            .map_err(|error| match error {
+                StoreError::Conflict(_) => EngineError::Conflict(format!(
+                    "message id {:?} already exists in this conversation",
+                    user_message.id
+                )),
+                other => other.into(),
+            })?;
         let turn = Turn {
             id: turn_id.to_string(),
             conversation_id: conversation.id.clone(),
@@ -373,16 +484,36 @@ impl Engine {
             started_at: Some(now),
             finished_at: None,
         };
-        self.inner.store.insert_turn(&turn).await.map_err(|error| match error {
-            // Another process runs a turn on this conversation.
-            StoreError::Conflict(_) => EngineError::Conflict("another turn is running on this conversation".into()),
-            other => other.into(),
-        })?;
+        self.inner
+            .store
+            .insert_turn(&turn)
+            .await
+            .map_err(|error| match error {
+                // Another process runs a turn on this conversation.
+                StoreError::Conflict(_) => {
+                    EngineError::Conflict("another turn is running on this conversation".into())
+                }
+                other => other.into(),
+            })?;
 
         let (last_seq, subscription) = hub.subscribe_live();
-        hub.emit(Some(&turn_id), EventName::TurnStarted, &json!({"turn_id": &*turn_id, "message_id": user_message.id, "model": model.info.id}));
-        hub.emit(Some(&turn_id), EventName::MessageNew, &json!({ "message": user_message }));
-        let events = stream::follow(self.inner.store.clone(), hub.clone(), subscription, last_seq, Until::TurnEnds(turn_id.clone()));
+        hub.emit(
+            Some(&turn_id),
+            EventName::TurnStarted,
+            &json!({"turn_id": &*turn_id, "message_id": user_message.id, "model": model.info.id}),
+        );
+        hub.emit(
+            Some(&turn_id),
+            EventName::MessageNew,
+            &json!({ "message": user_message }),
+        );
+        let events = stream::follow(
+            self.inner.store.clone(),
+            hub.clone(),
+            subscription,
+            last_seq,
+            Until::TurnEnds(turn_id.clone()),
+        );
 
         let (outcome_sender, outcome) = watch::channel(None);
         let task = turn::TurnTask {
@@ -400,29 +531,68 @@ impl Engine {
             retry_after_secs: None,
         };
         self.inner.tracker.spawn(task.run());
-        Ok(TurnHandle { turn, user_message, events, outcome })
+        Ok(TurnHandle {
+            turn,
+            user_message,
+            events,
+            outcome,
+        })
     }
 
     /// The events of a conversation after `after`, then live ones.
-    pub async fn events(&self, user: &User, conversation_id: &str, after: i64, until: Until) -> EngineResult<EventStream> {
+    pub async fn events(
+        &self,
+        user: &User,
+        conversation_id: &str,
+        after: i64,
+        until: Until,
+    ) -> EngineResult<EventStream> {
         let conversation = self.conversation(user, conversation_id).await?;
         let hub = self.hub(&conversation.id).await?;
         let subscription = hub.subscribe(after);
-        Ok(stream::follow(self.inner.store.clone(), hub, subscription, after, until))
+        Ok(stream::follow(
+            self.inner.store.clone(),
+            hub,
+            subscription,
+            after,
+            until,
+        ))
     }
 
-    pub async fn turn_details(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<TurnDetails> {
+    pub async fn turn_details(
+        &self,
+        user: &User,
+        conversation_id: &str,
+        turn_id: &str,
+    ) -> EngineResult<TurnDetails> {
         let conversation = self.conversation(user, conversation_id).await?;
-        let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
+        let turn = self
+            .inner
+            .store
+            .turn(&conversation.id, turn_id)
+            .await?
+            .ok_or(EngineError::NotFound("turn"))?;
         let api_calls = self.inner.store.api_calls(&turn.id).await?;
         Ok(TurnDetails { turn, api_calls })
     }
 
     /// Stops a running turn now. Cancelling a finished turn changes nothing.
-    pub async fn cancel_turn(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<Turn> {
+    pub async fn cancel_turn(
+        &self,
+        user: &User,
+        conversation_id: &str,
+        turn_id: &str,
+    ) -> EngineResult<Turn> {
         let conversation = self.conversation(user, conversation_id).await?;
-        let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
-        if let Some(running) = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.running())
+        let turn = self
+            .inner
+            .store
+            .turn(&conversation.id, turn_id)
+            .await?
+            .ok_or(EngineError::NotFound("turn"))?;
+        if let Some(running) = self
+            .hub_if_loaded(&conversation.id)
+            .and_then(|hub| hub.running())
             && &*running.turn_id == turn_id
         {
             running.cancel.cancel();
@@ -437,7 +607,10 @@ impl Engine {
     pub async fn shutdown(&self, grace: Duration) {
         self.inner.closing.cancel();
         self.inner.tracker.close();
-        if tokio::time::timeout(grace, self.inner.tracker.wait()).await.is_err() {
+        if tokio::time::timeout(grace, self.inner.tracker.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!("turns still running after the grace period; interrupting them");
             self.inner.interrupt.cancel();
             self.inner.tracker.wait().await;
@@ -459,9 +632,13 @@ impl Engine {
         if hubs.len() >= 1024 {
             hubs.retain(|_, hub| !hub.is_idle(HUB_IDLE));
         }
-        let hub = hubs
-            .entry(conversation_id.to_string())
-            .or_insert_with(|| Arc::new(Hub::new(conversation_id, last_seq, self.inner.writer.clone())));
+        let hub = hubs.entry(conversation_id.to_string()).or_insert_with(|| {
+            Arc::new(Hub::new(
+                conversation_id,
+                last_seq,
+                self.inner.writer.clone(),
+            ))
+        });
         Ok(hub.clone())
     }
 
@@ -472,12 +649,17 @@ impl Engine {
     /// Marks turns a crashed process left running as interrupted, and tells
     /// any viewer that resumes their stream.
     async fn recover_interrupted_turns(&self) -> EngineResult<()> {
-        let stale = self.inner.store.turns_with_status(&[TurnStatus::Running, TurnStatus::Queued]).await?;
+        let stale = self
+            .inner
+            .store
+            .turns_with_status(&[TurnStatus::Running, TurnStatus::Queued])
+            .await?;
         for mut turn in stale {
             tracing::warn!(turn_id = %turn.id, conversation_id = %turn.conversation_id, "marking a turn left running by a previous process as interrupted");
             turn.status = TurnStatus::Interrupted;
             turn.error_code = Some("interrupted".into());
-            turn.error_message = Some("the server stopped during this turn; send the message again".into());
+            turn.error_message =
+                Some("the server stopped during this turn; send the message again".into());
             turn.finished_at = Some(now_millis());
             self.inner.store.update_turn(&turn).await?;
             let hub = self.hub(&turn.conversation_id).await?;
@@ -494,7 +676,9 @@ impl Engine {
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn not_found(what: &'static str) -> impl Fn(StoreError) -> EngineError {
@@ -525,4 +709,3 @@ fn validate_message_id(id: &str) -> EngineResult<()> {
         )))
     }
 }
-

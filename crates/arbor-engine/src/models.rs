@@ -24,8 +24,16 @@ pub struct Models {
 impl Models {
     /// `providers` maps the provider names the registry uses (`openai`,
     /// `demo`, a config's `[providers.NAME]`) to their adapters.
-    pub fn new(registry: Registry, providers: HashMap<String, Arc<dyn Provider>>, default_model: String) -> EngineResult<Models> {
-        let models = Models { registry, providers, default_model };
+    pub fn new(
+        registry: Registry,
+        providers: HashMap<String, Arc<dyn Provider>>,
+        default_model: String,
+    ) -> EngineResult<Models> {
+        let models = Models {
+            registry,
+            providers,
+            default_model,
+        };
         models.resolve(&models.default_model)?;
         Ok(models)
     }
@@ -45,7 +53,10 @@ impl Models {
 
     /// The model and its adapter, or a 400-class error naming the model.
     pub fn resolve(&self, model: &str) -> EngineResult<ResolvedModel> {
-        let info = self.registry.get(model).ok_or_else(|| EngineError::UnknownModel(model.to_string()))?;
+        let info = self
+            .registry
+            .get(model)
+            .ok_or_else(|| EngineError::UnknownModel(model.to_string()))?;
         let provider = self.providers.get(&info.provider).cloned().ok_or_else(|| {
             EngineError::ModelUnavailable(format!(
                 "model {model:?} is served by provider {:?}, which is not configured on this server: \
@@ -53,6 +64,9 @@ impl Models {
                 info.provider, info.provider
             ))
         })?;
-        Ok(ResolvedModel { info: info.clone(), provider })
+        Ok(ResolvedModel {
+            info: info.clone(),
+            provider,
+        })
     }
 }

@@ -101,7 +101,10 @@ impl TurnTask {
             cost_micro_usd = self.turn.cost_micro_usd,
             "turn finished"
         );
-        let _ = self.outcome.send(Some(TurnOutcome { turn: self.turn.clone(), reply }));
+        let _ = self.outcome.send(Some(TurnOutcome {
+            turn: self.turn.clone(),
+            reply,
+        }));
     }
 
     /// Releases the turn slot and emits the closing `done` or `error` in one
@@ -110,8 +113,13 @@ impl TurnTask {
         let turn = &self.turn;
         match (turn.status, reply) {
             (TurnStatus::Succeeded, Some(reply)) => {
-                let cost = Cost { micro_usd: turn.cost_micro_usd };
-                let latency_ms = turn.finished_at.zip(turn.started_at).map_or(0, |(end, start)| (end - start).max(0) as u64);
+                let cost = Cost {
+                    micro_usd: turn.cost_micro_usd,
+                };
+                let latency_ms = turn
+                    .finished_at
+                    .zip(turn.started_at)
+                    .map_or(0, |(end, start)| (end - start).max(0) as u64);
                 let payload = DonePayload {
                     turn_id: turn.id.clone(),
                     message_id: reply.id.clone(),
@@ -129,8 +137,14 @@ impl TurnTask {
             _ => {
                 let payload = ErrorPayload {
                     turn_id: Some(turn.id.clone()),
-                    code: turn.error_code.clone().unwrap_or_else(|| ErrorCode::Internal.as_str().into()),
-                    message: turn.error_message.clone().unwrap_or_else(|| "the turn failed".into()),
+                    code: turn
+                        .error_code
+                        .clone()
+                        .unwrap_or_else(|| ErrorCode::Internal.as_str().into()),
+                    message: turn
+                        .error_message
+                        .clone()
+                        .unwrap_or_else(|| "the turn failed".into()),
                     retry_after: self.retry_after_secs,
                 };
                 self.hub.finish(&self.turn_id, EventName::Error, &payload);
@@ -145,7 +159,10 @@ impl TurnTask {
         let path: Vec<Message> = tree
             .path_to(&self.turn.user_message_id)
             .into_iter()
-            .filter(|node| !(node.status == NodeStatus::Interrupted && node.message.content.as_deref().unwrap_or("").is_empty()))
+            .filter(|node| {
+                !(node.status == NodeStatus::Interrupted
+                    && node.message.content.as_deref().unwrap_or("").is_empty())
+            })
             .map(|node| node.message.clone())
             .collect();
         let parent_id = self.turn.user_message_id.clone();
@@ -168,7 +185,9 @@ impl TurnTask {
         self.turn.usage.add(&result.usage);
         self.turn.cost_micro_usd += cost.micro_usd;
 
-        let has_output = !result.collected.text.is_empty() || !result.collected.tool_calls.is_empty() || !result.collected.parts.is_empty();
+        let has_output = !result.collected.text.is_empty()
+            || !result.collected.tool_calls.is_empty()
+            || !result.collected.parts.is_empty();
         let reply = (result.failure.is_none() || has_output).then(|| Node {
             id: new_id(),
             conversation_id: self.conversation.id.clone(),
@@ -178,7 +197,11 @@ impl TurnTask {
             provider: Some(self.model.info.provider.clone()),
             turn_id: Some(self.turn.id.clone()),
             copied_from: None,
-            status: if result.failure.is_none() { NodeStatus::Complete } else { NodeStatus::Interrupted },
+            status: if result.failure.is_none() {
+                NodeStatus::Complete
+            } else {
+                NodeStatus::Interrupted
+            },
             created_at: now_millis(),
         });
 
@@ -207,7 +230,10 @@ impl TurnTask {
         };
         self.inner.store.record_call(&call, reply.as_ref()).await?;
         if let Some(reply) = &reply {
-            self.inner.store.set_head(&self.conversation.id, Some(&reply.id), None, now_millis()).await?;
+            self.inner
+                .store
+                .set_head(&self.conversation.id, Some(&reply.id), None, now_millis())
+                .await?;
         }
 
         self.hub.emit(
@@ -230,7 +256,11 @@ impl TurnTask {
             }),
         );
         if let Some(reply) = &reply {
-            self.hub.emit(Some(&self.turn_id), EventName::MessageNew, &json!({ "message": reply }));
+            self.hub.emit(
+                Some(&self.turn_id),
+                EventName::MessageNew,
+                &json!({ "message": reply }),
+            );
         }
 
         match result.failure {
@@ -240,24 +270,42 @@ impl TurnTask {
             }
             Some(failure) => {
                 let (turn_status, code, message) = match failure {
-                    Failure::Stopped(Stopped::Cancelled) => (TurnStatus::Cancelled, ErrorCode::Cancelled, "the turn was cancelled".to_string()),
-                    Failure::Stopped(Stopped::Shutdown) => {
-                        (TurnStatus::Interrupted, ErrorCode::Cancelled, "the server shut down during the turn; send the message again".to_string())
-                    }
+                    Failure::Stopped(Stopped::Cancelled) => (
+                        TurnStatus::Cancelled,
+                        ErrorCode::Cancelled,
+                        "the turn was cancelled".to_string(),
+                    ),
+                    Failure::Stopped(Stopped::Shutdown) => (
+                        TurnStatus::Interrupted,
+                        ErrorCode::Cancelled,
+                        "the server shut down during the turn; send the message again".to_string(),
+                    ),
                     Failure::Stopped(Stopped::TimedOut) => (
                         TurnStatus::Failed,
                         ErrorCode::Timeout,
-                        format!("the turn took longer than its limit of {} s", self.inner.config.limits.turn_timeout.as_secs()),
+                        format!(
+                            "the turn took longer than its limit of {} s",
+                            self.inner.config.limits.turn_timeout.as_secs()
+                        ),
                     ),
                     Failure::Provider(error) => {
-                        self.retry_after_secs = error.retry_after.map(|delay| delay.as_secs().max(1));
+                        self.retry_after_secs =
+                            error.retry_after.map(|delay| delay.as_secs().max(1));
                         (TurnStatus::Failed, error.code, error.message)
                     }
                 };
                 if turn_status != TurnStatus::Cancelled && turn_status != TurnStatus::Interrupted {
                     let trace_id = new_id();
-                    self.hub.emit(Some(&self.turn_id), EventName::TraceStart, &json!({"id": trace_id, "type": "error", "code": code, "message": message}));
-                    self.hub.emit(Some(&self.turn_id), EventName::TraceEnd, &json!({"id": trace_id, "type": "error"}));
+                    self.hub.emit(
+                        Some(&self.turn_id),
+                        EventName::TraceStart,
+                        &json!({"id": trace_id, "type": "error", "code": code, "message": message}),
+                    );
+                    self.hub.emit(
+                        Some(&self.turn_id),
+                        EventName::TraceEnd,
+                        &json!({"id": trace_id, "type": "error"}),
+                    );
                 }
                 self.turn.status = turn_status;
                 self.turn.error_code = Some(code.as_str().to_string());
@@ -331,7 +379,13 @@ impl TurnTask {
                 }
             }
         });
-        CallResult { collected, usage, latency_ms: started.elapsed().as_millis() as u64, ttft_ms, failure }
+        CallResult {
+            collected,
+            usage,
+            latency_ms: started.elapsed().as_millis() as u64,
+            ttft_ms,
+            failure,
+        }
     }
 
     /// Resolves when the turn must stop: a cancel, or a server shutdown.
@@ -365,14 +419,24 @@ impl ChunkForwarder {
                     Some(id) => id.clone(),
                     None => {
                         let id = new_id();
-                        hub.emit(turn, EventName::TraceStart, &json!({"id": id, "type": "thinking"}));
+                        hub.emit(
+                            turn,
+                            EventName::TraceStart,
+                            &json!({"id": id, "type": "thinking"}),
+                        );
                         self.thinking_trace = Some(id.clone());
                         id
                     }
                 };
-                hub.emit(turn, EventName::TraceDelta, &json!({"id": id, "text": text}));
+                hub.emit(
+                    turn,
+                    EventName::TraceDelta,
+                    &json!({"id": id, "text": text}),
+                );
             }
-            Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => self.close_thinking(hub, turn_id),
+            Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => {
+                self.close_thinking(hub, turn_id)
+            }
             Chunk::ToolCallStart { index, id, name } => {
                 self.close_thinking(hub, turn_id);
                 let trace = new_id();
@@ -381,11 +445,16 @@ impl ChunkForwarder {
             }
             Chunk::ToolCallArguments { index, fragment } => {
                 if let Some((_, trace)) = self.tool_traces.iter().find(|(open, _)| open == index) {
-                    hub.emit(turn, EventName::TraceDelta, &json!({"id": trace, "arguments": fragment}));
+                    hub.emit(
+                        turn,
+                        EventName::TraceDelta,
+                        &json!({"id": trace, "arguments": fragment}),
+                    );
                 }
             }
             Chunk::ToolCallEnd { index, .. } => {
-                if let Some(position) = self.tool_traces.iter().position(|(open, _)| open == index) {
+                if let Some(position) = self.tool_traces.iter().position(|(open, _)| open == index)
+                {
                     let (_, trace) = self.tool_traces.remove(position);
                     hub.emit(turn, EventName::TraceEnd, &json!({"id": trace}));
                 }
