@@ -53,6 +53,10 @@ pub struct OpenAiConfig {
     /// `api-key`). Values are redacted in `Debug`, as they may be secrets.
     pub extra_headers: Vec<(String, String)>,
     pub max_tokens_field: MaxTokensField,
+    /// Asks for usage at the end of a stream (`stream_options`). Without
+    /// it OpenAI reports no usage for streamed calls; turn it off only for
+    /// servers that refuse the option (older Azure API versions).
+    pub stream_usage: bool,
 }
 
 impl OpenAiConfig {
@@ -67,6 +71,7 @@ impl Default for OpenAiConfig {
             timeouts: HttpTimeouts::default(),
             extra_headers: Vec::new(),
             max_tokens_field: MaxTokensField::default(),
+            stream_usage: true,
         }
     }
 }
@@ -84,6 +89,7 @@ impl fmt::Debug for OpenAiConfig {
             .field("timeouts", &self.timeouts)
             .field("extra_headers", &header_names)
             .field("max_tokens_field", &self.max_tokens_field)
+            .field("stream_usage", &self.stream_usage)
             .finish()
     }
 }
@@ -96,6 +102,7 @@ pub struct OpenAiProvider {
     api_key: Option<String>,
     headers: HeaderMap,
     max_tokens_field: MaxTokensField,
+    stream_usage: bool,
     /// Whether tool-call signatures go back as `extra_content`. Only
     /// Google's endpoint produces and accepts them; OpenAI itself rejects
     /// unknown fields, so a conversation that moves from Gemini to OpenAI
@@ -148,6 +155,7 @@ impl OpenAiProvider {
             api_key: config.api_key.filter(|key| !key.is_empty()),
             headers,
             max_tokens_field: config.max_tokens_field,
+            stream_usage: config.stream_usage,
             send_signatures: base_url.contains(".googleapis.com"),
         })
     }
@@ -173,17 +181,17 @@ impl OpenAiProvider {
             tools: request.tools.iter().map(wire_tool).collect(),
             max_completion_tokens,
             max_tokens,
-            // Through the decimal text, so 0.1f32 is sent as 0.1 and not
-            // as 0.10000000149011612.
+            // Through the shortest decimal text, so 0.1f32 is sent as 0.1
+            // and not as 0.10000000149011612 (and NaN is not sent at all).
             temperature: request
                 .temperature
-                .and_then(|value| value.to_string().parse::<f64>().ok()),
+                .and_then(|value| value.to_string().parse::<serde_json::Number>().ok()),
             reasoning_effort: request
                 .reasoning
                 .as_ref()
                 .and_then(|reasoning| reasoning.effort.as_deref()),
             stream,
-            stream_options: stream.then_some(StreamOptions {
+            stream_options: (stream && self.stream_usage).then_some(StreamOptions {
                 include_usage: true,
             }),
         }
@@ -277,7 +285,7 @@ struct WireRequest<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    temperature: Option<f64>,
+    temperature: Option<serde_json::Number>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_effort: Option<&'a str>,
     stream: bool,
