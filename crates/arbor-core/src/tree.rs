@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 
-use crate::message::Node;
+use serde::{Deserialize, Serialize};
+
+use crate::message::{Message, Node};
 
 /// An index over a conversation's nodes, in creation order.
 #[derive(Debug, Clone, Default)]
@@ -69,10 +71,80 @@ impl Tree {
     }
 }
 
+/// One message of a client's view of the conversation path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ViewMessage {
+    /// The message's id: a known id matches a node, a new one names the node
+    /// to create, none lets the engine choose.
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(flatten)]
+    pub message: Message,
+}
+
+/// What merging a view into the tree does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MergePlan {
+    /// The view ends at a node that exists: write nothing, move the head there.
+    MoveHead { to: String },
+    /// Record `messages` as a new branch under `parent` (the last matching
+    /// node, `None` for a new root); the head moves to the last of them.
+    /// `new_from` is the index of the first new message in the view.
+    Append { parent: Option<String>, new_from: usize, messages: Vec<ViewMessage> },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MergeError {
+    #[error("the view has no messages")]
+    EmptyView,
+    #[error("message {id:?} is in the tree under {actual:?}, but the view puts it under {expected:?}; send the path from the first message")]
+    NotOnPath { id: String, expected: Option<String>, actual: Option<String> },
+    #[error("message id {id:?} is already used elsewhere in this conversation; give the new message a new id or none")]
+    IdTaken { id: String },
+    #[error("message id {id:?} appears twice in the view")]
+    DuplicateInView { id: String },
+}
+
+/// Merges a client's view into the tree (`shared/seeds/conversation-tree.txt`):
+/// known ids at the start match existing nodes, which must form a path from
+/// the root; the first message that is new or has no id starts a branch under
+/// the last match, and everything after it is new. Matching is by id only,
+/// never by content, so re-sending a known message changes nothing.
+pub fn merge_view(tree: &Tree, view: &[ViewMessage]) -> Result<MergePlan, MergeError> {
+    if view.is_empty() {
+        return Err(MergeError::EmptyView);
+    }
+    let mut last_match: Option<String> = None;
+    let mut index = 0;
+    while let Some(node) = view.get(index).and_then(|message| message.id.as_deref()).and_then(|id| tree.get(id)) {
+        if node.parent_id != last_match {
+            return Err(MergeError::NotOnPath { id: node.id.clone(), expected: last_match, actual: node.parent_id.clone() });
+        }
+        last_match = Some(node.id.clone());
+        index += 1;
+    }
+    if index == view.len() {
+        let to = last_match.ok_or(MergeError::EmptyView)?;
+        return Ok(MergePlan::MoveHead { to });
+    }
+    let mut seen = std::collections::HashSet::new();
+    for message in &view[index..] {
+        if let Some(id) = &message.id {
+            if tree.get(id).is_some() {
+                return Err(MergeError::IdTaken { id: id.clone() });
+            }
+            if !seen.insert(id.as_str()) {
+                return Err(MergeError::DuplicateInView { id: id.clone() });
+            }
+        }
+    }
+    Ok(MergePlan::Append { parent: last_match, new_from: index, messages: view[index..].to_vec() })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::{Message, NodeStatus};
+    use crate::message::NodeStatus;
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {
         Node {
@@ -108,5 +180,135 @@ mod tests {
         assert_eq!(ids("e1"), ["u1", "e1"]);
         assert!(ids("missing").is_empty());
         assert_eq!(tree.children("u1"), ["a1", "e1"]);
+    }
+
+    fn view(messages: &[(Option<&str>, &str)]) -> Vec<ViewMessage> {
+        messages
+            .iter()
+            .map(|(id, text)| ViewMessage { id: id.map(Into::into), message: Message::user(*text) })
+            .collect()
+    }
+
+    #[test]
+    fn seed_example_editing_the_first_question_branches_under_it() {
+        // u1 → a1 → u2; the client edits back to the first question.
+        let tree = Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1"))]);
+        let plan = merge_view(&tree, &view(&[(Some("u1"), "weather in NYC?"), (None, "weather in LA instead")])).expect("merges");
+        match plan {
+            MergePlan::Append { parent, new_from, messages } => {
+                assert_eq!(parent.as_deref(), Some("u1"));
+                assert_eq!(new_from, 1);
+                assert_eq!(messages.len(), 1);
+                assert_eq!(messages[0].message.content.as_deref(), Some("weather in LA instead"));
+            }
+            other => panic!("expected a branch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn resending_known_ids_changes_nothing_and_an_earlier_end_moves_the_head() {
+        let tree = Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1"))]);
+        // Same ids, different text: matched by id, never by content.
+        let same = merge_view(&tree, &view(&[(Some("u1"), "changed"), (Some("a1"), "x"), (Some("u2"), "y")])).expect("merges");
+        assert_eq!(same, MergePlan::MoveHead { to: "u2".into() });
+        let earlier = merge_view(&tree, &view(&[(Some("u1"), "")])).expect("merges");
+        assert_eq!(earlier, MergePlan::MoveHead { to: "u1".into() });
+    }
+
+    #[test]
+    fn views_off_the_tree_or_reusing_ids_are_refused() {
+        let tree = Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1"))]);
+        assert_eq!(merge_view(&tree, &[]), Err(MergeError::EmptyView));
+        let skipping = merge_view(&tree, &view(&[(Some("a1"), "")]));
+        assert!(matches!(skipping, Err(MergeError::NotOnPath { .. })), "{skipping:?}");
+        let reused = merge_view(&tree, &view(&[(Some("u1"), ""), (None, "new"), (Some("u2"), "again")]));
+        assert_eq!(reused, Err(MergeError::IdTaken { id: "u2".into() }));
+        let twice = merge_view(&tree, &view(&[(Some("x"), ""), (Some("x"), "")]));
+        assert_eq!(twice, Err(MergeError::DuplicateInView { id: "x".into() }));
+        // A view of only new messages starts a new root.
+        let fresh = merge_view(&tree, &view(&[(Some("r2"), "hi")])).expect("merges");
+        assert!(matches!(fresh, MergePlan::Append { parent: None, new_from: 0, .. }));
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A random tree: node i hangs under a random earlier node (or is a root).
+        fn arbitrary_tree() -> impl Strategy<Value = Tree> {
+            proptest::collection::vec(any::<prop::sample::Index>(), 1..40).prop_map(|parents| {
+                let mut nodes: Vec<Node> = Vec::new();
+                for (index, parent) in parents.iter().enumerate() {
+                    let parent_id = if index == 0 || parent.index(4) == 0 { None } else { Some(format!("n{}", parent.index(index))) };
+                    nodes.push(node(&format!("n{index}"), parent_id.as_deref()));
+                }
+                Tree::new(nodes)
+            })
+        }
+
+        /// Applies a plan the way the engine does; returns the new head.
+        fn apply(tree: &Tree, plan: &MergePlan) -> (Tree, String) {
+            match plan {
+                MergePlan::MoveHead { to } => (tree.clone(), to.clone()),
+                MergePlan::Append { parent, messages, .. } => {
+                    let mut nodes = tree.nodes().to_vec();
+                    let mut parent = parent.clone();
+                    for (index, message) in messages.iter().enumerate() {
+                        let id = message.id.clone().unwrap_or_else(|| format!("generated{index}"));
+                        nodes.push(node(&id, parent.as_deref()));
+                        parent = Some(id);
+                    }
+                    let head = parent.expect("at least one message");
+                    (Tree::new(nodes), head)
+                }
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn merging_never_loses_or_duplicates_and_the_head_is_on_the_reported_path(
+                tree in arbitrary_tree(),
+                leaf in any::<prop::sample::Index>(),
+                keep in any::<prop::sample::Index>(),
+                new_count in 0usize..4,
+                reuse in any::<bool>(),
+            ) {
+                // The view: a prefix of the path to a random leaf, then new messages
+                // (some with fresh ids, one maybe reusing a known id).
+                let leaf_id = tree.nodes()[leaf.index(tree.len())].id.clone();
+                let path: Vec<String> = tree.path_to(&leaf_id).iter().map(|node| node.id.clone()).collect();
+                let kept = keep.index(path.len()) + 1;
+                let mut view: Vec<ViewMessage> = path[..kept].iter().map(|id| ViewMessage { id: Some(id.clone()), message: Message::user("x") }).collect();
+                for index in 0..new_count {
+                    let id = if reuse && index == 0 { Some(tree.nodes()[0].id.clone()) } else if index % 2 == 0 { Some(format!("new{index}")) } else { None };
+                    view.push(ViewMessage { id, message: Message::user("y") });
+                }
+                match merge_view(&tree, &view) {
+                    // A reused id is refused: as a new message (taken), or, right
+                    // after the prefix, as a known node that is not on the path.
+                    Err(MergeError::IdTaken { id }) => prop_assert!(reuse && tree.get(&id).is_some()),
+                    Err(MergeError::NotOnPath { .. }) => prop_assert!(reuse),
+                    Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+                    Ok(plan) => {
+                        let (merged, head) = apply(&tree, &plan);
+                        // Nothing lost, nothing duplicated.
+                        prop_assert!(!reuse || new_count == 0, "a reused id was accepted");
+                        prop_assert_eq!(merged.len(), tree.len() + new_count);
+                        for node in tree.nodes() {
+                            prop_assert!(merged.get(&node.id).is_some());
+                        }
+                        let mut ids: Vec<&str> = merged.nodes().iter().map(|node| node.id.as_str()).collect();
+                        ids.sort_unstable();
+                        let before = ids.len();
+                        ids.dedup();
+                        prop_assert_eq!(ids.len(), before);
+                        // The head's path is the view's matched prefix followed by the new messages.
+                        let head_path: Vec<String> = merged.path_to(&head).iter().map(|node| node.id.clone()).collect();
+                        prop_assert_eq!(&head_path[..kept], &path[..kept]);
+                        prop_assert_eq!(head_path.len(), kept + new_count);
+                    }
+                }
+            }
+        }
     }
 }
