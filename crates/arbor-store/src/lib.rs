@@ -15,6 +15,7 @@ pub mod postgres;
 pub mod records;
 pub mod sqlite;
 
+use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
 
@@ -157,7 +158,10 @@ pub trait Store: Send + Sync + 'static {
     /// In one transaction: stores `message` (if any; a new node, or an update
     /// of an existing one with the same id), the api call, a ledger row
     /// charging `call.cost_micro_usd` credits to `call.user_id`, and deducts
-    /// that from the user's balance (when the user has one).
+    /// that from the user's balance (when the user has one). The ledger row's
+    /// id is the call's. Does not move the head. Recorded spend is real
+    /// spend, so the balance may go below zero here; [`Store::reserve_credits`]
+    /// is what keeps calls from starting without the credits.
     async fn record_call(&self, call: &ApiCall, message: Option<&Node>)
     -> StoreResult<LedgerEntry>;
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>>;
@@ -178,4 +182,66 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<Vec<Event>>;
     /// The highest stored `seq` of a conversation (0 when none).
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64>;
+
+    // ---- several nodes: wake-ups, quota reservations, turn leases ----
+
+    /// Sends a notice to every listener of every node sharing the database
+    /// (this node's included). Best effort: listeners re-read the store.
+    async fn notify(&self, notice: &Notice) -> StoreResult<()>;
+    /// Subscribes to notices. Every notice sent after this returns is
+    /// delivered, unless the receiver lags (then it gets `Lagged` and should
+    /// re-read the store, as for [`Notice::Resync`]).
+    async fn listen(&self) -> StoreResult<tokio::sync::broadcast::Receiver<Notice>>;
+
+    /// Holds `reservation.credits` of the user's balance for a call about to
+    /// be made, atomically against every other reservation and charge: the
+    /// sum held never exceeds the balance. `NotFound` for an unknown user,
+    /// `Conflict` for a reused reservation id.
+    async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome>;
+    /// [`Store::record_call`] for a reserved call: in the same transaction
+    /// the reservation is given back (if it still exists; an expired one may
+    /// have been released already) and the call's real cost charged.
+    async fn settle_reservation(
+        &self,
+        reservation_id: &str,
+        call: &ApiCall,
+        message: Option<&Node>,
+    ) -> StoreResult<LedgerEntry>;
+    /// Gives a reservation back without a charge (the call was never made).
+    /// Returns whether it still existed.
+    async fn release_reservation(&self, reservation_id: &str) -> StoreResult<bool>;
+    /// Gives back every reservation that expired by `now` (left by a node
+    /// that died); returns how many.
+    async fn release_expired_reservations(&self, now: Millis) -> StoreResult<u64>;
+    /// Credits a user may still reserve (`balance - reserved`; `None` when
+    /// unlimited). `NotFound` for an unknown user.
+    async fn available_credits(&self, user_id: &str) -> StoreResult<Option<i64>>;
+
+    /// Claims or extends the lease of a running turn for `owner` (a node id)
+    /// until `expires_at`. True when `owner` holds the lease now; false when
+    /// the turn is not running or another node holds it (then `owner` must
+    /// stop the turn: it was taken over).
+    async fn renew_lease(
+        &self,
+        turn_id: &str,
+        owner: &str,
+        expires_at: Millis,
+    ) -> StoreResult<bool>;
+    /// Running turns whose lease expired by `now` (their node stopped
+    /// renewing: it died), oldest first. Running turns that never had a
+    /// lease are not included.
+    async fn expired_running_turns(&self, now: Millis) -> StoreResult<Vec<Turn>>;
+    /// Takes over a running turn whose lease expired by `now`, for `owner`
+    /// until `expires_at`. True for exactly one of several nodes racing for
+    /// it; false when it was renewed, taken or finished meanwhile.
+    async fn take_over_turn(
+        &self,
+        turn_id: &str,
+        owner: &str,
+        now: Millis,
+        expires_at: Millis,
+    ) -> StoreResult<bool>;
+    /// The lease of a turn: `(owner, expires_at)`, or `None` when it has
+    /// none (or the turn does not exist).
+    async fn turn_lease(&self, turn_id: &str) -> StoreResult<Option<(String, Millis)>>;
 }

@@ -9,13 +9,15 @@
 //! ordered query, so no request costs a round trip per row.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
+use tokio::sync::{OnceCell, broadcast, oneshot};
 
 use crate::codec::{self, NodeColumns, to_i64};
 use crate::*;
@@ -39,10 +41,32 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 const IDLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
 
+/// The `NOTIFY` channel every node listens on. One channel for all notices
+/// keeps a node to one listening connection; the payload says what it is.
+const NOTICE_CHANNEL: &str = "arbor_notices";
+/// Notices a slow local listener may fall behind by before it is told it
+/// lagged.
+const NOTICE_BUFFER: usize = 1024;
+/// Wait between attempts when the listening connection cannot be re-made.
+const LISTEN_RETRY: Duration = Duration::from_secs(1);
+
 /// A PostgreSQL database behind the [`Store`] trait.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    notices: Arc<NoticeHub>,
+}
+
+/// This node's end of `LISTEN`: one connection, started on the first
+/// [`Store::listen`], fanning notices out to local receivers.
+#[derive(Debug)]
+struct NoticeHub {
+    sender: broadcast::Sender<Notice>,
+    started: OnceCell<()>,
+    /// Dropped with the last clone of the store, which ends the listening
+    /// task (it holds the pool, so it would otherwise outlive the store).
+    stop: std::sync::Mutex<Option<oneshot::Receiver<()>>>,
+    _stop_sender: oneshot::Sender<()>,
 }
 
 impl PostgresStore {
@@ -63,7 +87,70 @@ impl PostgresStore {
             .run(&pool)
             .await
             .map_err(|error| StoreError::Database(format!("migrating the database: {error}")))?;
-        Ok(PostgresStore { pool })
+        let (stop_sender, stop) = oneshot::channel();
+        Ok(PostgresStore {
+            pool,
+            notices: Arc::new(NoticeHub {
+                sender: broadcast::channel(NOTICE_BUFFER).0,
+                started: OnceCell::new(),
+                stop: std::sync::Mutex::new(Some(stop)),
+                _stop_sender: stop_sender,
+            }),
+        })
+    }
+
+    /// Opens the listening connection and starts the task that forwards its
+    /// notices. `LISTEN` has taken effect when this returns.
+    async fn start_listening(&self) -> StoreResult<()> {
+        let mut listener = PgListener::connect_with(&self.pool).await?;
+        listener.listen(NOTICE_CHANNEL).await?;
+        let stop = self
+            .notices
+            .stop
+            .lock()
+            .map_err(|_| StoreError::Database("the notice hub lock is poisoned".into()))?
+            .take();
+        let Some(mut stop) = stop else {
+            return Err(StoreError::Database(
+                "the notice listener was started twice".into(),
+            ));
+        };
+        let sender = self.notices.sender.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = &mut stop => return,
+                    received = listener.try_recv() => match received {
+                        Ok(Some(notification)) => {
+                            match serde_json::from_str::<Notice>(notification.payload()) {
+                                Ok(notice) => {
+                                    let _ = sender.send(notice);
+                                }
+                                Err(error) => tracing::warn!(
+                                    %error,
+                                    payload = notification.payload(),
+                                    "ignoring a notice this version does not understand"
+                                ),
+                            }
+                        }
+                        // The connection was lost; the next call re-makes it
+                        // and listens again. Anything sent meanwhile is gone,
+                        // so listeners must re-read the store.
+                        Ok(None) => {
+                            let _ = sender.send(Notice::Resync);
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "listening for notices failed; retrying");
+                            tokio::select! {
+                                _ = &mut stop => return,
+                                _ = tokio::time::sleep(LISTEN_RETRY) => {}
+                            }
+                        }
+                    },
+                }
+            }
+        });
+        Ok(())
     }
 
     async fn begin(&self) -> StoreResult<Transaction<'static, Postgres>> {
@@ -182,6 +269,98 @@ async fn upsert_node(tx: &mut Transaction<'static, Postgres>, node: &Node) -> St
         .execute(&mut **tx)
         .await?;
     Ok(())
+}
+
+/// Stores a model call, its message and its charge, inside the caller's
+/// transaction (shared by `record_call` and `settle_reservation`).
+async fn charge_call(
+    tx: &mut Transaction<'static, Postgres>,
+    call: &ApiCall,
+    message: Option<&Node>,
+) -> StoreResult<LedgerEntry> {
+    if let Some(node) = message {
+        upsert_node(tx, node).await?;
+    }
+    sqlx::query(concat!(
+        "INSERT INTO api_calls (",
+        api_call_columns!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+         $17, $18)"
+    ))
+    .bind(&call.id)
+    .bind(&call.turn_id)
+    .bind(&call.conversation_id)
+    .bind(&call.user_id)
+    .bind(&call.kind)
+    .bind(&call.provider)
+    .bind(&call.model)
+    .bind(to_i64(call.usage.input_tokens))
+    .bind(to_i64(call.usage.output_tokens))
+    .bind(to_i64(call.usage.thinking_tokens))
+    .bind(to_i64(call.usage.cached_tokens))
+    .bind(to_i64(call.usage.cache_write_tokens))
+    .bind(to_i64(call.latency_ms))
+    .bind(call.ttft_ms.map(to_i64))
+    .bind(&call.status)
+    .bind(&call.error_code)
+    .bind(to_i64(call.cost_micro_usd))
+    .bind(call.created_at)
+    .execute(&mut **tx)
+    .await?;
+    let credits = to_i64(call.cost_micro_usd);
+    // One statement reads and writes the balance under the row lock, so
+    // charges from every node add up and none is lost. A NULL
+    // (unlimited) balance stays NULL.
+    let balance_after: Option<Option<i64>> = sqlx::query_scalar(
+        "UPDATE users SET balance_credits = balance_credits - $1 WHERE id = $2 \
+         RETURNING balance_credits",
+    )
+    .bind(credits)
+    .bind(&call.user_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let balance_after = balance_after.ok_or(StoreError::NotFound)?;
+    let entry = LedgerEntry {
+        // One charge per call, so the call's id names its ledger row too
+        // and the store invents no id of its own.
+        id: call.id.clone(),
+        user_id: call.user_id.clone(),
+        api_call_id: call.id.clone(),
+        credits,
+        balance_after,
+        created_at: call.created_at,
+    };
+    sqlx::query(concat!(
+        "INSERT INTO cost_ledger (",
+        ledger_columns!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6)"
+    ))
+    .bind(&entry.id)
+    .bind(&entry.user_id)
+    .bind(&entry.api_call_id)
+    .bind(entry.credits)
+    .bind(entry.balance_after)
+    .bind(entry.created_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(entry)
+}
+
+/// Gives a reservation's credits back, inside the caller's transaction.
+/// Returns whether the reservation still existed.
+async fn release(
+    tx: &mut Transaction<'static, Postgres>,
+    reservation_id: &str,
+) -> StoreResult<bool> {
+    let released: Option<i64> = sqlx::query_scalar(
+        "WITH gone AS (DELETE FROM credit_reservations WHERE id = $1 RETURNING user_id, credits) \
+         UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
+         FROM gone WHERE users.id = gone.user_id RETURNING gone.credits",
+    )
+    .bind(reservation_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(released.is_some())
 }
 
 #[async_trait]
@@ -588,71 +767,7 @@ impl Store for PostgresStore {
         message: Option<&Node>,
     ) -> StoreResult<LedgerEntry> {
         let mut tx = self.begin().await?;
-        if let Some(node) = message {
-            upsert_node(&mut tx, node).await?;
-        }
-        sqlx::query(concat!(
-            "INSERT INTO api_calls (",
-            api_call_columns!(),
-            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
-             $17, $18)"
-        ))
-        .bind(&call.id)
-        .bind(&call.turn_id)
-        .bind(&call.conversation_id)
-        .bind(&call.user_id)
-        .bind(&call.kind)
-        .bind(&call.provider)
-        .bind(&call.model)
-        .bind(to_i64(call.usage.input_tokens))
-        .bind(to_i64(call.usage.output_tokens))
-        .bind(to_i64(call.usage.thinking_tokens))
-        .bind(to_i64(call.usage.cached_tokens))
-        .bind(to_i64(call.usage.cache_write_tokens))
-        .bind(to_i64(call.latency_ms))
-        .bind(call.ttft_ms.map(to_i64))
-        .bind(&call.status)
-        .bind(&call.error_code)
-        .bind(to_i64(call.cost_micro_usd))
-        .bind(call.created_at)
-        .execute(&mut *tx)
-        .await?;
-        let credits = to_i64(call.cost_micro_usd);
-        // One statement reads and writes the balance under the row lock, so
-        // charges from every node add up and none is lost. A NULL
-        // (unlimited) balance stays NULL.
-        let balance_after: Option<Option<i64>> = sqlx::query_scalar(
-            "UPDATE users SET balance_credits = balance_credits - $1 WHERE id = $2 \
-             RETURNING balance_credits",
-        )
-        .bind(credits)
-        .bind(&call.user_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let balance_after = balance_after.ok_or(StoreError::NotFound)?;
-        let entry = LedgerEntry {
-            // One charge per call, so the call's id names its ledger row too
-            // and the store invents no id of its own.
-            id: call.id.clone(),
-            user_id: call.user_id.clone(),
-            api_call_id: call.id.clone(),
-            credits,
-            balance_after,
-            created_at: call.created_at,
-        };
-        sqlx::query(concat!(
-            "INSERT INTO cost_ledger (",
-            ledger_columns!(),
-            ") VALUES ($1, $2, $3, $4, $5, $6)"
-        ))
-        .bind(&entry.id)
-        .bind(&entry.user_id)
-        .bind(&entry.api_call_id)
-        .bind(entry.credits)
-        .bind(entry.balance_after)
-        .bind(entry.created_at)
-        .execute(&mut *tx)
-        .await?;
+        let entry = charge_call(&mut tx, call, message).await?;
         tx.commit().await?;
         Ok(entry)
     }
@@ -750,5 +865,188 @@ impl Store for PostgresStore {
         .fetch_one(&self.pool)
         .await?;
         Ok(seq)
+    }
+
+    async fn notify(&self, notice: &Notice) -> StoreResult<()> {
+        let payload = serde_json::to_string(notice)
+            .map_err(|error| StoreError::Database(format!("cannot encode a notice: {error}")))?;
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(NOTICE_CHANNEL)
+            .bind(payload)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn listen(&self) -> StoreResult<broadcast::Receiver<Notice>> {
+        // Subscribe before making sure the listener runs, so nothing that
+        // arrives once this returns can be missed.
+        let receiver = self.notices.sender.subscribe();
+        self.notices
+            .started
+            .get_or_try_init(|| self.start_listening())
+            .await?;
+        Ok(receiver)
+    }
+
+    async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
+        let mut tx = self.begin().await?;
+        // The check and the hold are one statement. Under READ COMMITTED a
+        // concurrent reservation waits for this row lock and then re-checks
+        // the condition against the new total, so the sum held can never
+        // pass the balance, whichever node asks.
+        let held: Option<Option<i64>> = sqlx::query_scalar(
+            "UPDATE users SET reserved_credits = reserved_credits + $1 \
+             WHERE id = $2 AND (balance_credits IS NULL OR balance_credits - reserved_credits >= $1) \
+             RETURNING balance_credits - reserved_credits",
+        )
+        .bind(reservation.credits)
+        .bind(&reservation.user_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(available_after) = held else {
+            let available: Option<Option<i64>> = sqlx::query_scalar(
+                "SELECT balance_credits - reserved_credits FROM users WHERE id = $1",
+            )
+            .bind(&reservation.user_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let available = available.ok_or(StoreError::NotFound)?;
+            return Ok(ReserveOutcome::Insufficient {
+                available: available.unwrap_or(0),
+            });
+        };
+        sqlx::query(
+            "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&reservation.id)
+        .bind(&reservation.user_id)
+        .bind(reservation.credits)
+        .bind(reservation.created_at)
+        .bind(reservation.expires_at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(ReserveOutcome::Reserved { available_after })
+    }
+
+    async fn settle_reservation(
+        &self,
+        reservation_id: &str,
+        call: &ApiCall,
+        message: Option<&Node>,
+    ) -> StoreResult<LedgerEntry> {
+        let mut tx = self.begin().await?;
+        release(&mut tx, reservation_id).await?;
+        let entry = charge_call(&mut tx, call, message).await?;
+        tx.commit().await?;
+        Ok(entry)
+    }
+
+    async fn release_reservation(&self, reservation_id: &str) -> StoreResult<bool> {
+        let mut tx = self.begin().await?;
+        let released = release(&mut tx, reservation_id).await?;
+        tx.commit().await?;
+        Ok(released)
+    }
+
+    async fn release_expired_reservations(&self, now: Millis) -> StoreResult<u64> {
+        // One statement: delete the expired rows and give each user back
+        // the sum of theirs.
+        let released: i64 = sqlx::query_scalar(
+            "WITH gone AS ( \
+                 DELETE FROM credit_reservations WHERE expires_at <= $1 \
+                 RETURNING user_id, credits), \
+             per_user AS ( \
+                 SELECT user_id, SUM(credits)::bigint AS credits, COUNT(*) AS count \
+                 FROM gone GROUP BY user_id), \
+             updated AS ( \
+                 UPDATE users SET reserved_credits = \
+                     GREATEST(users.reserved_credits - per_user.credits, 0) \
+                 FROM per_user WHERE users.id = per_user.user_id \
+                 RETURNING per_user.count) \
+             SELECT COALESCE(SUM(count), 0)::bigint FROM updated",
+        )
+        .bind(now)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(codec::to_u64(released))
+    }
+
+    async fn available_credits(&self, user_id: &str) -> StoreResult<Option<i64>> {
+        let available: Option<Option<i64>> = sqlx::query_scalar(
+            "SELECT balance_credits - reserved_credits FROM users WHERE id = $1",
+        )
+        .bind(user_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        available.ok_or(StoreError::NotFound)
+    }
+
+    async fn renew_lease(
+        &self,
+        turn_id: &str,
+        owner: &str,
+        expires_at: Millis,
+    ) -> StoreResult<bool> {
+        let result = sqlx::query(
+            "UPDATE turns SET lease_owner = $1, lease_expires_at = $2 \
+             WHERE id = $3 AND status = 'running' AND (lease_owner IS NULL OR lease_owner = $1)",
+        )
+        .bind(owner)
+        .bind(expires_at)
+        .bind(turn_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn expired_running_turns(&self, now: Millis) -> StoreResult<Vec<Turn>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            turn_columns!(),
+            " FROM turns WHERE status = 'running' AND lease_expires_at <= $1 \
+             ORDER BY created_at, id"
+        ))
+        .bind(now)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(codec::turn_from_row).collect()
+    }
+
+    async fn take_over_turn(
+        &self,
+        turn_id: &str,
+        owner: &str,
+        now: Millis,
+        expires_at: Millis,
+    ) -> StoreResult<bool> {
+        // The expiry is re-checked in the update itself: of several nodes
+        // racing for the turn, the first one's new lease fails the others
+        // (each waits for the row lock, then re-reads the lease).
+        let result = sqlx::query(
+            "UPDATE turns SET lease_owner = $1, lease_expires_at = $2 \
+             WHERE id = $3 AND status = 'running' AND lease_expires_at <= $4",
+        )
+        .bind(owner)
+        .bind(expires_at)
+        .bind(turn_id)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn turn_lease(&self, turn_id: &str) -> StoreResult<Option<(String, Millis)>> {
+        let row: Option<(Option<String>, Option<i64>)> =
+            sqlx::query_as("SELECT lease_owner, lease_expires_at FROM turns WHERE id = $1")
+                .bind(turn_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(match row {
+            Some((Some(owner), Some(expires_at))) => Some((owner, expires_at)),
+            _ => None,
+        })
     }
 }

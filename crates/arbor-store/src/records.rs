@@ -153,3 +153,59 @@ pub struct LedgerEntry {
     pub balance_after: Option<i64>,
     pub created_at: Millis,
 }
+
+/// Credits held for a model call before it is made, so that concurrent
+/// turns of one user (on any node) can never spend past the balance: a
+/// reservation succeeds only while `balance - reserved` covers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservation {
+    pub id: String,
+    pub user_id: String,
+    /// The most the call may cost (an estimate from the model's prices).
+    pub credits: i64,
+    pub created_at: Millis,
+    /// When a reservation its node never settled (the node died) is given
+    /// back by [`crate::Store::release_expired_reservations`].
+    pub expires_at: Millis,
+}
+
+/// What [`crate::Store::reserve_credits`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    /// The credits are held. `available_after` is what is left to reserve
+    /// (`None` for unlimited users).
+    Reserved { available_after: Option<i64> },
+    /// Nothing was held: only `available` credits are left.
+    Insufficient { available: i64 },
+}
+
+/// A wake-up passed between the nodes sharing a database (PostgreSQL
+/// `LISTEN`/`NOTIFY`; within the process for SQLite). Notices carry no data
+/// a listener must not lose: the store stays the source of truth, and a
+/// listener that missed one re-reads it, so a lost notice costs latency,
+/// never data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Notice {
+    /// Events of the conversation are stored up to `seq`.
+    Events { conversation_id: String, seq: i64 },
+    /// Someone asked to cancel the turn, wherever it runs.
+    CancelTurn {
+        conversation_id: String,
+        turn_id: String,
+    },
+    /// The head moved (work on the branch left should stop).
+    HeadMoved {
+        conversation_id: String,
+        head_id: Option<String>,
+        head_version: i64,
+    },
+    /// The turn ended, so a queued turn of the conversation may start.
+    TurnFinished {
+        conversation_id: String,
+        turn_id: String,
+    },
+    /// Sent by the store itself when its listening connection was lost and
+    /// re-made: notices may have been missed, so re-read what matters.
+    Resync,
+}

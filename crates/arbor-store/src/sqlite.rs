@@ -22,6 +22,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{Sqlite, Transaction};
+use tokio::sync::broadcast;
 
 use crate::codec::{self, NodeColumns, to_i64};
 use crate::*;
@@ -29,6 +30,9 @@ use crate::*;
 /// How long a statement waits for another process's write lock before
 /// failing with "database is locked".
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Notices a slow listener may fall behind by before it is told it lagged.
+const NOTICE_BUFFER: usize = 1024;
 
 /// The schema, embedded in the binary so `arbor serve` needs no files beside
 /// it. Versions are the file name prefixes; a landed file is never edited.
@@ -70,6 +74,8 @@ pub struct SqliteStore {
     writer: SqlitePool,
     /// Several connections for reads, which WAL lets run beside the writer.
     reader: SqlitePool,
+    /// Notices stay in this process: a SQLite database serves one node.
+    notices: broadcast::Sender<Notice>,
 }
 
 impl SqliteStore {
@@ -95,6 +101,7 @@ impl SqliteStore {
                 SqliteStore {
                     writer: pool.clone(),
                     reader: pool,
+                    notices: broadcast::channel(NOTICE_BUFFER).0,
                 }
             }
             Location::File(path) => Self::open_file(&path).await?,
@@ -136,7 +143,11 @@ impl SqliteStore {
             .max_connections(u32::try_from(readers).unwrap_or(4))
             .connect_with(options)
             .await?;
-        Ok(SqliteStore { writer, reader })
+        Ok(SqliteStore {
+            writer,
+            reader,
+            notices: broadcast::channel(NOTICE_BUFFER).0,
+        })
     }
 
     /// A write transaction that holds the write lock from its first
@@ -211,6 +222,99 @@ async fn advance_head(
     .fetch_optional(&mut **tx)
     .await?;
     version.ok_or(StoreError::NotFound)
+}
+
+/// Stores a model call, its message and its charge, inside the caller's
+/// transaction (shared by `record_call` and `settle_reservation`).
+async fn charge_call(
+    tx: &mut Transaction<'static, Sqlite>,
+    call: &ApiCall,
+    message: Option<&Node>,
+) -> StoreResult<LedgerEntry> {
+    if let Some(node) = message {
+        insert_node(tx, NODE_UPSERT, node).await?;
+    }
+    sqlx::query(concat!(
+        "INSERT INTO api_calls (",
+        api_call_columns!(),
+        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    ))
+    .bind(&call.id)
+    .bind(&call.turn_id)
+    .bind(&call.conversation_id)
+    .bind(&call.user_id)
+    .bind(&call.kind)
+    .bind(&call.provider)
+    .bind(&call.model)
+    .bind(to_i64(call.usage.input_tokens))
+    .bind(to_i64(call.usage.output_tokens))
+    .bind(to_i64(call.usage.thinking_tokens))
+    .bind(to_i64(call.usage.cached_tokens))
+    .bind(to_i64(call.usage.cache_write_tokens))
+    .bind(to_i64(call.latency_ms))
+    .bind(call.ttft_ms.map(to_i64))
+    .bind(&call.status)
+    .bind(&call.error_code)
+    .bind(to_i64(call.cost_micro_usd))
+    .bind(call.created_at)
+    .execute(&mut **tx)
+    .await?;
+    let credits = to_i64(call.cost_micro_usd);
+    // The deduction is one statement, so it reads and writes the balance
+    // under the same lock: concurrent charges add up, none is lost. A
+    // NULL (unlimited) balance stays NULL.
+    let balance_after: Option<Option<i64>> = sqlx::query_scalar(
+        "UPDATE users SET balance_credits = balance_credits - ? WHERE id = ? \
+         RETURNING balance_credits",
+    )
+    .bind(credits)
+    .bind(&call.user_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let balance_after = balance_after.ok_or(StoreError::NotFound)?;
+    let entry = LedgerEntry {
+        // One charge per call, so the call's id names its ledger row too
+        // and the store invents no id of its own.
+        id: call.id.clone(),
+        user_id: call.user_id.clone(),
+        api_call_id: call.id.clone(),
+        credits,
+        balance_after,
+        created_at: call.created_at,
+    };
+    sqlx::query(concat!(
+        "INSERT INTO cost_ledger (",
+        ledger_columns!(),
+        ") VALUES (?, ?, ?, ?, ?, ?)"
+    ))
+    .bind(&entry.id)
+    .bind(&entry.user_id)
+    .bind(&entry.api_call_id)
+    .bind(entry.credits)
+    .bind(entry.balance_after)
+    .bind(entry.created_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(entry)
+}
+
+/// Gives a reservation's credits back, inside the caller's transaction.
+/// Returns whether the reservation still existed.
+async fn release(tx: &mut Transaction<'static, Sqlite>, reservation_id: &str) -> StoreResult<bool> {
+    let released: Option<(String, i64)> =
+        sqlx::query_as("DELETE FROM credit_reservations WHERE id = ? RETURNING user_id, credits")
+            .bind(reservation_id)
+            .fetch_optional(&mut **tx)
+            .await?;
+    let Some((user_id, credits)) = released else {
+        return Ok(false);
+    };
+    sqlx::query("UPDATE users SET reserved_credits = MAX(reserved_credits - ?, 0) WHERE id = ?")
+        .bind(credits)
+        .bind(user_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(true)
 }
 
 #[async_trait]
@@ -611,70 +715,7 @@ impl Store for SqliteStore {
         message: Option<&Node>,
     ) -> StoreResult<LedgerEntry> {
         let mut tx = self.write().await?;
-        if let Some(node) = message {
-            insert_node(&mut tx, NODE_UPSERT, node).await?;
-        }
-        sqlx::query(concat!(
-            "INSERT INTO api_calls (",
-            api_call_columns!(),
-            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        ))
-        .bind(&call.id)
-        .bind(&call.turn_id)
-        .bind(&call.conversation_id)
-        .bind(&call.user_id)
-        .bind(&call.kind)
-        .bind(&call.provider)
-        .bind(&call.model)
-        .bind(to_i64(call.usage.input_tokens))
-        .bind(to_i64(call.usage.output_tokens))
-        .bind(to_i64(call.usage.thinking_tokens))
-        .bind(to_i64(call.usage.cached_tokens))
-        .bind(to_i64(call.usage.cache_write_tokens))
-        .bind(to_i64(call.latency_ms))
-        .bind(call.ttft_ms.map(to_i64))
-        .bind(&call.status)
-        .bind(&call.error_code)
-        .bind(to_i64(call.cost_micro_usd))
-        .bind(call.created_at)
-        .execute(&mut *tx)
-        .await?;
-        let credits = to_i64(call.cost_micro_usd);
-        // The deduction is one statement, so it reads and writes the balance
-        // under the same lock: concurrent charges add up, none is lost. A
-        // NULL (unlimited) balance stays NULL.
-        let balance_after: Option<Option<i64>> = sqlx::query_scalar(
-            "UPDATE users SET balance_credits = balance_credits - ? WHERE id = ? \
-             RETURNING balance_credits",
-        )
-        .bind(credits)
-        .bind(&call.user_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let balance_after = balance_after.ok_or(StoreError::NotFound)?;
-        let entry = LedgerEntry {
-            // One charge per call, so the call's id names its ledger row too
-            // and the store invents no id of its own.
-            id: call.id.clone(),
-            user_id: call.user_id.clone(),
-            api_call_id: call.id.clone(),
-            credits,
-            balance_after,
-            created_at: call.created_at,
-        };
-        sqlx::query(concat!(
-            "INSERT INTO cost_ledger (",
-            ledger_columns!(),
-            ") VALUES (?, ?, ?, ?, ?, ?)"
-        ))
-        .bind(&entry.id)
-        .bind(&entry.user_id)
-        .bind(&entry.api_call_id)
-        .bind(entry.credits)
-        .bind(entry.balance_after)
-        .bind(entry.created_at)
-        .execute(&mut *tx)
-        .await?;
+        let entry = charge_call(&mut tx, call, message).await?;
         tx.commit().await?;
         Ok(entry)
     }
@@ -767,6 +808,166 @@ impl Store for SqliteStore {
         .fetch_one(&self.reader)
         .await?;
         Ok(seq)
+    }
+
+    async fn notify(&self, notice: &Notice) -> StoreResult<()> {
+        // No listener is not an error: nobody is waiting for this wake-up.
+        let _ = self.notices.send(notice.clone());
+        Ok(())
+    }
+
+    async fn listen(&self) -> StoreResult<broadcast::Receiver<Notice>> {
+        Ok(self.notices.subscribe())
+    }
+
+    async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
+        let mut tx = self.write().await?;
+        // The check and the hold are one statement, so no other reservation
+        // or charge can slip between them.
+        let held: Option<Option<i64>> = sqlx::query_scalar(
+            "UPDATE users SET reserved_credits = reserved_credits + ? \
+             WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?) \
+             RETURNING balance_credits - reserved_credits",
+        )
+        .bind(reservation.credits)
+        .bind(&reservation.user_id)
+        .bind(reservation.credits)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(available_after) = held else {
+            let available: Option<Option<i64>> = sqlx::query_scalar(
+                "SELECT balance_credits - reserved_credits FROM users WHERE id = ?",
+            )
+            .bind(&reservation.user_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let available = available.ok_or(StoreError::NotFound)?;
+            return Ok(ReserveOutcome::Insufficient {
+                available: available.unwrap_or(0),
+            });
+        };
+        sqlx::query(
+            "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(&reservation.id)
+        .bind(&reservation.user_id)
+        .bind(reservation.credits)
+        .bind(reservation.created_at)
+        .bind(reservation.expires_at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(ReserveOutcome::Reserved { available_after })
+    }
+
+    async fn settle_reservation(
+        &self,
+        reservation_id: &str,
+        call: &ApiCall,
+        message: Option<&Node>,
+    ) -> StoreResult<LedgerEntry> {
+        let mut tx = self.write().await?;
+        release(&mut tx, reservation_id).await?;
+        let entry = charge_call(&mut tx, call, message).await?;
+        tx.commit().await?;
+        Ok(entry)
+    }
+
+    async fn release_reservation(&self, reservation_id: &str) -> StoreResult<bool> {
+        let mut tx = self.write().await?;
+        let released = release(&mut tx, reservation_id).await?;
+        tx.commit().await?;
+        Ok(released)
+    }
+
+    async fn release_expired_reservations(&self, now: Millis) -> StoreResult<u64> {
+        let mut tx = self.write().await?;
+        let expired: Vec<String> =
+            sqlx::query_scalar("SELECT id FROM credit_reservations WHERE expires_at <= ?")
+                .bind(now)
+                .fetch_all(&mut *tx)
+                .await?;
+        for id in &expired {
+            release(&mut tx, id).await?;
+        }
+        tx.commit().await?;
+        Ok(expired.len() as u64)
+    }
+
+    async fn available_credits(&self, user_id: &str) -> StoreResult<Option<i64>> {
+        let available: Option<Option<i64>> =
+            sqlx::query_scalar("SELECT balance_credits - reserved_credits FROM users WHERE id = ?")
+                .bind(user_id)
+                .fetch_optional(&self.reader)
+                .await?;
+        available.ok_or(StoreError::NotFound)
+    }
+
+    async fn renew_lease(
+        &self,
+        turn_id: &str,
+        owner: &str,
+        expires_at: Millis,
+    ) -> StoreResult<bool> {
+        let result = sqlx::query(
+            "UPDATE turns SET lease_owner = ?, lease_expires_at = ? \
+             WHERE id = ? AND status = 'running' AND (lease_owner IS NULL OR lease_owner = ?)",
+        )
+        .bind(owner)
+        .bind(expires_at)
+        .bind(turn_id)
+        .bind(owner)
+        .execute(&self.writer)
+        .await?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn expired_running_turns(&self, now: Millis) -> StoreResult<Vec<Turn>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            turn_columns!(),
+            " FROM turns WHERE status = 'running' AND lease_expires_at <= ? \
+             ORDER BY created_at, id"
+        ))
+        .bind(now)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(codec::turn_from_row).collect()
+    }
+
+    async fn take_over_turn(
+        &self,
+        turn_id: &str,
+        owner: &str,
+        now: Millis,
+        expires_at: Millis,
+    ) -> StoreResult<bool> {
+        // The expiry is re-checked in the update itself: of several nodes
+        // racing for the turn, the first one's new lease fails the others.
+        let result = sqlx::query(
+            "UPDATE turns SET lease_owner = ?, lease_expires_at = ? \
+             WHERE id = ? AND status = 'running' AND lease_expires_at <= ?",
+        )
+        .bind(owner)
+        .bind(expires_at)
+        .bind(turn_id)
+        .bind(now)
+        .execute(&self.writer)
+        .await?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn turn_lease(&self, turn_id: &str) -> StoreResult<Option<(String, Millis)>> {
+        let row: Option<(Option<String>, Option<i64>)> =
+            sqlx::query_as("SELECT lease_owner, lease_expires_at FROM turns WHERE id = ?")
+                .bind(turn_id)
+                .fetch_optional(&self.reader)
+                .await?;
+        Ok(match row {
+            Some((Some(owner), Some(expires_at))) => Some((owner, expires_at)),
+            _ => None,
+        })
     }
 }
 

@@ -27,12 +27,25 @@ where
     F: FnOnce(Arc<dyn Store>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    on_sqlite_pair(|store, _| story(store)).await;
+}
+
+/// Runs `story` against two stores on one new SQLite file, as two processes
+/// on one machine would share it.
+async fn on_sqlite_pair<F, Fut>(story: F)
+where
+    F: FnOnce(Arc<dyn Store>, Arc<dyn Store>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let folder = tempfile::tempdir().expect("temp dir");
     // A folder that does not exist yet: open must create it.
     let path = folder.path().join("nested").join("arbor.db");
     let url = format!("sqlite://{}", path.display());
-    let store = arbor_store::open(&url).await.expect("sqlite store opens");
-    story(store).await;
+    let first = arbor_store::open(&url).await.expect("sqlite store opens");
+    let second = arbor_store::open(&url)
+        .await
+        .expect("sqlite store opens twice");
+    story(first, second).await;
     // Reopening the same file applies no migration twice and keeps the rows.
     let again = arbor_store::open(&url).await.expect("sqlite store reopens");
     again.count_users().await.expect("reopened store answers");
@@ -42,6 +55,16 @@ where
 async fn on_postgres<F, Fut>(story: F)
 where
     F: FnOnce(Arc<dyn Store>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    on_postgres_pair(|store, _| story(store)).await;
+}
+
+/// Runs `story` against two stores (two nodes) on one fresh PostgreSQL
+/// database, when one is configured.
+async fn on_postgres_pair<F, Fut>(story: F)
+where
+    F: FnOnce(Arc<dyn Store>, Arc<dyn Store>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let Ok(server_url) = std::env::var("ARBOR_TEST_POSTGRES_URL") else {
@@ -59,11 +82,13 @@ where
         .expect("create the test database");
     let url = with_database(&server_url, &database);
     let outcome = async {
-        let store = arbor_store::open(&url).await.expect("postgres store opens");
+        // Two nodes starting together: migrations must not trip each other.
+        let (first, second) = tokio::join!(arbor_store::open(&url), arbor_store::open(&url));
+        let first = first.expect("postgres store opens");
+        let second = second.expect("postgres store opens twice");
         // Run on its own task so a failing assertion comes back as an error
         // here and the database is still dropped.
-        let result = tokio::spawn(story(store.clone())).await;
-        drop(store);
+        let result = tokio::spawn(story(first, second)).await;
         let again = arbor_store::open(&url)
             .await
             .expect("postgres store reopens");
@@ -121,7 +146,47 @@ macro_rules! stories {
     };
 }
 
+/// The same for stories that run on two stores sharing one database (two
+/// processes on SQLite, two nodes on PostgreSQL).
+macro_rules! pair_stories {
+    ($($story:ident),+ $(,)?) => {
+        mod sqlite_pair {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $story() {
+                    super::on_sqlite_pair(super::$story).await;
+                }
+            )+
+        }
+        mod postgres_pair {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $story() {
+                    super::on_postgres_pair(super::$story).await;
+                }
+            )+
+        }
+    };
+}
+
+pair_stories!(
+    story_concurrent_reservations_never_overspend,
+    story_running_turn_is_unique_across_nodes,
+    story_one_node_takes_over_an_expired_turn,
+    story_both_nodes_see_every_write,
+);
+
+/// Notices cross processes only through PostgreSQL; SQLite's stay in the
+/// process that sent them (one SQLite database serves one node).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_notices_cross_nodes() {
+    on_postgres_pair(story_notices_cross_nodes).await;
+}
+
 stories!(
+    story_notices_reach_listeners,
+    story_reservations_hold_and_settle,
+    story_turn_leases,
     story_users_and_keys,
     story_conversations_page_newest_first,
     story_owners_see_only_their_conversations,
@@ -1134,4 +1199,523 @@ async fn story_events_replay_in_order(store: Arc<dyn Store>) {
         store.events_after("c1", 5, 10).await.expect("tail"),
         vec![untagged]
     );
+}
+
+// ------------------------------------------- several nodes: notices, quota, leases
+
+async fn next_notice(receiver: &mut tokio::sync::broadcast::Receiver<Notice>) -> Notice {
+    tokio::time::timeout(std::time::Duration::from_secs(10), receiver.recv())
+        .await
+        .expect("a notice within 10 s")
+        .expect("the notice channel is open")
+}
+
+fn sample_notices() -> Vec<Notice> {
+    vec![
+        Notice::Events {
+            conversation_id: "c1".into(),
+            seq: 41,
+        },
+        Notice::CancelTurn {
+            conversation_id: "c1".into(),
+            turn_id: "t1".into(),
+        },
+        Notice::HeadMoved {
+            conversation_id: "c1".into(),
+            head_id: None,
+            head_version: 7,
+        },
+        Notice::TurnFinished {
+            conversation_id: "c1".into(),
+            turn_id: "t1".into(),
+        },
+    ]
+}
+
+async fn story_notices_reach_listeners(store: Arc<dyn Store>) {
+    // Sending with nobody listening is fine.
+    store
+        .notify(&sample_notices()[0])
+        .await
+        .expect("notify nobody");
+    let mut first = store.listen().await.expect("listen");
+    let mut second = store.listen().await.expect("listen again");
+    for notice in sample_notices() {
+        store.notify(&notice).await.expect("notify");
+    }
+    for notice in sample_notices() {
+        assert_eq!(next_notice(&mut first).await, notice);
+        assert_eq!(next_notice(&mut second).await, notice);
+    }
+}
+
+async fn story_notices_cross_nodes(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    let mut on_b = node_b.listen().await.expect("listen on b");
+    let mut on_a = node_a.listen().await.expect("listen on a");
+    for notice in sample_notices() {
+        node_a.notify(&notice).await.expect("notify from a");
+    }
+    for notice in sample_notices() {
+        assert_eq!(next_notice(&mut on_b).await, notice, "b hears a");
+        assert_eq!(next_notice(&mut on_a).await, notice, "a hears itself");
+    }
+}
+
+fn reservation(id: &str, user: &str, credits: i64, expires_at: i64) -> Reservation {
+    Reservation {
+        id: id.into(),
+        user_id: user.into(),
+        credits,
+        created_at: 100,
+        expires_at,
+    }
+}
+
+async fn balance(store: &dyn Store, user_id: &str) -> Option<i64> {
+    store
+        .user(user_id)
+        .await
+        .expect("read user")
+        .expect("user exists")
+        .balance_credits
+}
+
+async fn story_reservations_hold_and_settle(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, Some(1_000)).await;
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(1_000)
+    );
+    assert_eq!(
+        store
+            .reserve_credits(&reservation("r1", "alice", 600, 10_000))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::Reserved {
+            available_after: Some(400)
+        }
+    );
+    assert_eq!(
+        store
+            .reserve_credits(&reservation("r2", "alice", 500, 10_000))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::Insufficient { available: 400 }
+    );
+    // A refused reservation holds nothing, and the balance is untouched.
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(400)
+    );
+    assert_eq!(balance(&*store, "alice").await, Some(1_000));
+
+    // Settling gives the hold back and charges the real cost, atomically.
+    let mut reply = node("c1", "a1", None, Message::assistant("hi"));
+    reply.turn_id = Some("t1".into());
+    let entry = store
+        .settle_reservation("r1", &call("call1", "alice", "c1", "t1", 550), Some(&reply))
+        .await
+        .expect("settle");
+    assert_eq!((entry.credits, entry.balance_after), (550, Some(450)));
+    assert_eq!(balance(&*store, "alice").await, Some(450));
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(450)
+    );
+    assert_eq!(store.message("c1", "a1").await.expect("read"), Some(reply));
+    // A failed settle (the call id is taken) keeps the hold and charges nothing.
+    store
+        .reserve_credits(&reservation("r3", "alice", 100, 10_000))
+        .await
+        .expect("reserve");
+    assert!(matches!(
+        store
+            .settle_reservation("r3", &call("call1", "alice", "c1", "t1", 10), None)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(350)
+    );
+    assert!(store.release_reservation("r3").await.expect("release"));
+    assert!(
+        !store
+            .release_reservation("r3")
+            .await
+            .expect("released twice")
+    );
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(450)
+    );
+
+    // A reused reservation id holds nothing more.
+    store
+        .reserve_credits(&reservation("r4", "alice", 200, 150))
+        .await
+        .expect("reserve");
+    assert!(matches!(
+        store
+            .reserve_credits(&reservation("r4", "alice", 50, 150))
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    store
+        .reserve_credits(&reservation("r5", "alice", 100, 500))
+        .await
+        .expect("reserve");
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(150)
+    );
+    // Reservations a dead node left behind come back when they expire.
+    assert_eq!(
+        store
+            .release_expired_reservations(200)
+            .await
+            .expect("expire"),
+        1
+    );
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(350)
+    );
+    // Settling a reservation that already expired still charges the call.
+    assert_eq!(
+        store
+            .release_expired_reservations(1_000)
+            .await
+            .expect("expire"),
+        1
+    );
+    let entry = store
+        .settle_reservation("r5", &call("call2", "alice", "c1", "t1", 50), None)
+        .await
+        .expect("settle expired");
+    assert_eq!(entry.balance_after, Some(400));
+    assert_eq!(
+        store.available_credits("alice").await.expect("available"),
+        Some(400)
+    );
+
+    // Unlimited users always get their reservation.
+    store.create_user(&user("bob", None)).await.expect("bob");
+    assert_eq!(
+        store
+            .reserve_credits(&reservation("r6", "bob", i64::from(u32::MAX), 10_000))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::Reserved {
+            available_after: None
+        }
+    );
+    assert_eq!(
+        store.available_credits("bob").await.expect("available"),
+        None
+    );
+    assert!(matches!(
+        store
+            .reserve_credits(&reservation("r7", "nobody", 1, 10_000))
+            .await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(matches!(
+        store.available_credits("nobody").await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+async fn story_concurrent_reservations_never_overspend(
+    node_a: Arc<dyn Store>,
+    node_b: Arc<dyn Store>,
+) {
+    alice_with_conversation(&*node_a, Some(1_000)).await;
+    // Fifty calls of one user, spread over both nodes, each wanting 30.
+    let attempts: Vec<_> = (0..50)
+        .map(|index| {
+            let store = if index % 2 == 0 {
+                node_a.clone()
+            } else {
+                node_b.clone()
+            };
+            tokio::spawn(async move {
+                let id = format!("r{index}");
+                let outcome = store
+                    .reserve_credits(&reservation(&id, "alice", 30, 10_000))
+                    .await
+                    .expect("reserve");
+                (store, id, outcome)
+            })
+        })
+        .collect();
+    let mut granted = Vec::new();
+    for attempt in attempts {
+        let (store, id, outcome) = attempt.await.expect("task");
+        match outcome {
+            ReserveOutcome::Reserved { available_after } => {
+                assert!(available_after.expect("limited user") >= 0);
+                granted.push((store, id));
+            }
+            ReserveOutcome::Insufficient { available } => assert!(available < 30),
+        }
+    }
+    assert_eq!(granted.len(), 33, "1000 credits hold 33 calls of 30");
+    assert_eq!(
+        node_b.available_credits("alice").await.expect("available"),
+        Some(10)
+    );
+
+    // Every granted call settles at its reserved cost, concurrently.
+    let settles: Vec<_> = granted
+        .into_iter()
+        .map(|(store, id)| {
+            tokio::spawn(async move {
+                let charge = call(&format!("call-{id}"), "alice", "c1", "t1", 30);
+                store.settle_reservation(&id, &charge, None).await
+            })
+        })
+        .collect();
+    for settle in settles {
+        settle.await.expect("task").expect("settle");
+    }
+    assert_eq!(balance(&*node_a, "alice").await, Some(10));
+    assert_eq!(
+        node_a.available_credits("alice").await.expect("available"),
+        Some(10)
+    );
+    assert_eq!(node_b.ledger("alice", 100).await.expect("ledger").len(), 33);
+}
+
+async fn story_turn_leases(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    store
+        .create_conversation(&conversation("alice", "c2", 11))
+        .await
+        .expect("c2");
+    store
+        .insert_turn(&turn("c1", "t1", TurnStatus::Running, 1))
+        .await
+        .expect("running");
+    store
+        .insert_turn(&turn("c1", "t2", TurnStatus::Queued, 2))
+        .await
+        .expect("queued");
+    store
+        .insert_turn(&turn("c2", "t3", TurnStatus::Running, 3))
+        .await
+        .expect("running without a lease");
+
+    assert_eq!(store.turn_lease("t1").await.expect("lease"), None);
+    assert!(store.renew_lease("t1", "node-a", 100).await.expect("claim"));
+    assert!(store.renew_lease("t1", "node-a", 200).await.expect("renew"));
+    assert!(
+        !store.renew_lease("t1", "node-b", 300).await.expect("steal"),
+        "a lease held by another node is not renewed"
+    );
+    assert!(
+        !store
+            .renew_lease("t2", "node-a", 300)
+            .await
+            .expect("queued"),
+        "only running turns carry leases"
+    );
+    assert_eq!(
+        store.turn_lease("t1").await.expect("lease"),
+        Some(("node-a".into(), 200))
+    );
+
+    assert!(
+        store
+            .expired_running_turns(200)
+            .await
+            .expect("expired")
+            .iter()
+            .any(|t| t.id == "t1"),
+        "a lease that ends at `now` has expired"
+    );
+    assert!(
+        store
+            .expired_running_turns(199)
+            .await
+            .expect("expired")
+            .is_empty()
+    );
+    assert!(
+        !store
+            .take_over_turn("t1", "node-b", 150, 400)
+            .await
+            .expect("early"),
+        "a live lease cannot be taken over"
+    );
+    assert!(
+        store
+            .take_over_turn("t1", "node-b", 250, 400)
+            .await
+            .expect("take over")
+    );
+    assert!(
+        !store
+            .take_over_turn("t1", "node-c", 250, 400)
+            .await
+            .expect("late"),
+        "only one node takes a turn over"
+    );
+    assert!(
+        !store
+            .renew_lease("t1", "node-a", 500)
+            .await
+            .expect("old owner"),
+        "the old owner learns it lost the turn"
+    );
+    assert_eq!(
+        store.turn_lease("t1").await.expect("lease"),
+        Some(("node-b".into(), 400))
+    );
+
+    // The new owner ends the turn; finished turns are never expired.
+    let mut interrupted = turn("c1", "t1", TurnStatus::Interrupted, 1);
+    interrupted.finished_at = Some(260);
+    store.update_turn(&interrupted).await.expect("interrupt");
+    assert!(
+        store
+            .expired_running_turns(10_000)
+            .await
+            .expect("expired")
+            .is_empty(),
+        "neither finished turns nor turns without a lease are listed"
+    );
+    assert!(
+        !store
+            .take_over_turn("t1", "node-c", 10_000, 20_000)
+            .await
+            .expect("finished")
+    );
+}
+
+async fn story_one_node_takes_over_an_expired_turn(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    alice_with_conversation(&*node_a, None).await;
+    node_a
+        .insert_turn(&turn("c1", "t1", TurnStatus::Running, 1))
+        .await
+        .expect("running");
+    assert!(
+        node_a
+            .renew_lease("t1", "node-a", 100)
+            .await
+            .expect("lease")
+    );
+    let expired = node_b.expired_running_turns(1_000).await.expect("expired");
+    assert_eq!(expired.len(), 1);
+    let races: Vec<_> = (0..16)
+        .map(|index| {
+            let store = if index % 2 == 0 {
+                node_a.clone()
+            } else {
+                node_b.clone()
+            };
+            tokio::spawn(async move {
+                store
+                    .take_over_turn("t1", &format!("node-{index}"), 1_000, 5_000)
+                    .await
+                    .expect("take over")
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for race in races {
+        if race.await.expect("task") {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+async fn story_running_turn_is_unique_across_nodes(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    alice_with_conversation(&*node_a, None).await;
+    let claims: Vec<_> = (0..16)
+        .map(|index| {
+            let store = if index % 2 == 0 {
+                node_a.clone()
+            } else {
+                node_b.clone()
+            };
+            tokio::spawn(async move {
+                store
+                    .insert_turn(&turn(
+                        "c1",
+                        &format!("t{index}"),
+                        TurnStatus::Running,
+                        index,
+                    ))
+                    .await
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for claim in claims {
+        match claim.await.expect("task") {
+            Ok(()) => admitted += 1,
+            Err(StoreError::Conflict(_)) => {}
+            Err(other) => panic!("unexpected error {other:?}"),
+        }
+    }
+    assert_eq!(admitted, 1);
+}
+
+async fn story_both_nodes_see_every_write(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    alice_with_conversation(&*node_a, None).await;
+    node_a
+        .append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10)
+        .await
+        .expect("append on a");
+    node_b
+        .append_messages(
+            &[node("c1", "a1", Some("u1"), Message::assistant("hello"))],
+            20,
+        )
+        .await
+        .expect("append on b");
+    // The same id from the other node is still a conflict.
+    assert!(matches!(
+        node_b
+            .append_messages(&[node("c1", "u1", None, Message::user("again"))], 30)
+            .await,
+        Err(StoreError::Conflict(_))
+    ));
+    node_a
+        .append_events(&[event("c1", 1, "{}")])
+        .await
+        .expect("events on a");
+    assert!(matches!(
+        node_b.append_events(&[event("c1", 1, "{}")]).await,
+        Err(StoreError::Conflict(_))
+    ));
+    node_b
+        .append_events(&[event("c1", 2, "{}")])
+        .await
+        .expect("events on b");
+    assert_eq!(node_a.last_event_seq("c1").await.expect("seq"), 2);
+    let ids: Vec<_> = node_a
+        .messages("c1")
+        .await
+        .expect("messages")
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(ids, ["u1", "a1"]);
+    assert_eq!(
+        node_a
+            .conversation("alice", "c1")
+            .await
+            .expect("read")
+            .expect("exists")
+            .head_version,
+        2
+    );
+    // A head move on one node is checked against the version the other made.
+    assert!(matches!(
+        node_a.set_head("c1", Some("u1"), Some(1), 40).await,
+        Err(StoreError::HeadVersionMismatch { current: 2 })
+    ));
 }
