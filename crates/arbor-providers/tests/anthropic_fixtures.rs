@@ -23,10 +23,7 @@ use proptest::prelude::*;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::{Value, json};
 
-const RECORDED: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/providers/anthropic"
-);
+const RECORDED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers/anthropic");
 const WRITTEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/anthropic");
 
 fn read(dir: &str, name: &str) -> Vec<u8> {
@@ -85,10 +82,7 @@ fn usage(input: u64, output: u64, cached: u64, written: u64) -> Usage {
 }
 
 fn anthropic_signed(data: &str) -> ProviderOpaque {
-    ProviderOpaque {
-        provider: "anthropic".into(),
-        data: data.into(),
-    }
+    ProviderOpaque { provider: "anthropic".into(), data: data.into() }
 }
 
 // ---------------------------------------------------------------------------
@@ -100,11 +94,7 @@ fn text_stream_gives_text_usage_and_stop() {
     let (chunks, reply) = stream("stream-text.response.sse");
     assert_eq!(
         chunks,
-        vec![
-            Chunk::Text("Hello".into()),
-            Chunk::Usage(usage(10, 4, 0, 0)),
-            Chunk::Finish(FinishReason::Stop),
-        ]
+        vec![Chunk::Text("Hello".into()), Chunk::Usage(usage(10, 4, 0, 0)), Chunk::Finish(FinishReason::Stop),]
     );
     assert_eq!(reply.message(), Message::assistant("Hello"));
 }
@@ -117,11 +107,7 @@ fn cache_read_stream_counts_cached_input_and_stops_at_max_tokens() {
     assert_eq!(reply.usage, Some(usage(11 + 1031, 100, 1031, 0)));
     assert_eq!(reply.finish, Some(FinishReason::Length));
     assert_eq!(reply.text.chars().count(), 496);
-    assert!(
-        reply
-            .text
-            .starts_with("A **system** is an organized collection")
-    );
+    assert!(reply.text.starts_with("A **system** is an organized collection"));
 }
 
 #[test]
@@ -138,10 +124,7 @@ fn thinking_stream_keeps_thinking_text_and_signature() {
     assert!(!chunks.contains(&Chunk::Thinking(String::new())));
     assert_eq!(reply.parts.len(), 1);
     match &reply.parts[0] {
-        Part::Thinking {
-            text,
-            signature: Some(opaque),
-        } => {
+        Part::Thinking { text, signature: Some(opaque) } => {
             assert!(text.starts_with("The user wants two names for a pet pelican"));
             assert!(text.ends_with("Let me give two brief, catchy names:"));
             assert_eq!(opaque, &anthropic_signed(signature));
@@ -168,22 +151,10 @@ fn redacted_thinking_stream_keeps_both_opaque_blocks() {
         })
         .collect();
     assert_eq!(redacted.len(), 2);
-    assert!(
-        redacted[0]
-            .data
-            .starts_with("EqkECkYIBxgCKkA8AZ4noDfV5VcOJe")
-    );
-    assert!(
-        redacted[1]
-            .data
-            .starts_with("EtgBCkYIBxgCKkDQfGkwzflEJP5asG")
-    );
+    assert!(redacted[0].data.starts_with("EqkECkYIBxgCKkA8AZ4noDfV5VcOJe"));
+    assert!(redacted[1].data.starts_with("EtgBCkYIBxgCKkDQfGkwzflEJP5asG"));
     assert!(redacted.iter().all(|data| data.provider == "anthropic"));
-    assert!(
-        reply
-            .text
-            .starts_with("I notice that you've sent what appears")
-    );
+    assert!(reply.text.starts_with("I notice that you've sent what appears"));
     assert!(reply.text.ends_with("a legitimate task or question?"));
     assert_eq!(reply.usage, Some(usage(92, 189, 0, 0)));
 }
@@ -191,11 +162,7 @@ fn redacted_thinking_stream_keeps_both_opaque_blocks() {
 #[test]
 fn tool_use_stream_assembles_arguments_from_fragments() {
     let (chunks, reply) = stream("stream-tool-use-with-args.response.sse");
-    assert!(
-        reply
-            .text
-            .starts_with("<thinking>\nThe get_weather tool is relevant")
-    );
+    assert!(reply.text.starts_with("<thinking>\nThe get_weather tool is relevant"));
     assert_eq!(
         reply.tool_calls,
         vec![ToolCall {
@@ -205,10 +172,7 @@ fn tool_use_stream_assembles_arguments_from_fragments() {
             signature: None,
         }]
     );
-    let fragments = chunks
-        .iter()
-        .filter(|chunk| matches!(chunk, Chunk::ToolCallArguments { .. }))
-        .count();
+    let fragments = chunks.iter().filter(|chunk| matches!(chunk, Chunk::ToolCallArguments { .. })).count();
     assert!(fragments > 1, "arguments arrive in several fragments");
     // An old stream with no cache fields in its usage.
     assert_eq!(reply.usage, Some(usage(599, 135, 0, 0)));
@@ -226,10 +190,7 @@ fn parallel_parameterless_tool_calls_get_empty_objects() {
     };
     assert_eq!(
         reply.tool_calls,
-        vec![
-            expected_call("toolu_01LtHJmixrs9NcWQkK8hu8hj"),
-            expected_call("toolu_01N8a4jWyf116qKTMqKKmjyt"),
-        ]
+        vec![expected_call("toolu_01LtHJmixrs9NcWQkK8hu8hj"), expected_call("toolu_01N8a4jWyf116qKTMqKKmjyt"),]
     );
     assert_eq!(
         chunks[..4],
@@ -239,26 +200,16 @@ fn parallel_parameterless_tool_calls_get_empty_objects() {
                 id: "toolu_01LtHJmixrs9NcWQkK8hu8hj".into(),
                 name: "pelican_name_generator".into(),
             },
-            Chunk::ToolCallEnd {
-                index: 0,
-                signature: None
-            },
+            Chunk::ToolCallEnd { index: 0, signature: None },
             Chunk::ToolCallStart {
                 index: 1,
                 id: "toolu_01N8a4jWyf116qKTMqKKmjyt".into(),
                 name: "pelican_name_generator".into(),
             },
-            Chunk::ToolCallEnd {
-                index: 1,
-                signature: None
-            },
+            Chunk::ToolCallEnd { index: 1, signature: None },
         ]
     );
-    assert_eq!(
-        reply.message().content,
-        None,
-        "a tool-only reply has no text"
-    );
+    assert_eq!(reply.message().content, None, "a tool-only reply has no text");
     assert_eq!(reply.finish, Some(FinishReason::ToolCalls));
 }
 
@@ -295,11 +246,7 @@ fn image_and_follow_up_streams_decode() {
     assert_eq!(reply.usage, Some(usage(83, 9, 0, 0)));
     let (_, reply) = stream("stream-image-url-input.response.sse");
     assert_eq!(reply.text.chars().count(), 943);
-    assert!(
-        reply
-            .text
-            .starts_with("This image shows a **brown pelican**")
-    );
+    assert!(reply.text.starts_with("This image shows a **brown pelican**"));
     assert_eq!(reply.usage, Some(usage(273, 206, 0, 0)));
     let (_, reply) = stream("stream-text-after-tool-results.response.sse");
     assert!(reply.text.ends_with("for your feathered friend! 🦅"));
@@ -337,10 +284,7 @@ fn a_body_cut_mid_event_is_a_stream_interruption() {
     let body = read(RECORDED, "stream-text.response.sse");
     let cut = body.len() / 2;
     let (_, error) = decode(&body[..cut], &[]);
-    assert_eq!(
-        error.map(|error| error.code),
-        Some(ErrorCode::StreamInterrupted)
-    );
+    assert_eq!(error.map(|error| error.code), Some(ErrorCode::StreamInterrupted));
 }
 
 const STREAMS: &[(&str, &str)] = &[
@@ -349,10 +293,7 @@ const STREAMS: &[(&str, &str)] = &[
     (RECORDED, "stream-thinking.response.sse"),
     (RECORDED, "stream-redacted-thinking.response.sse"),
     (RECORDED, "stream-tool-use-with-args.response.sse"),
-    (
-        RECORDED,
-        "stream-tool-use-parallel-empty-input.response.sse",
-    ),
+    (RECORDED, "stream-tool-use-parallel-empty-input.response.sse"),
     (RECORDED, "stream-server-tool-and-tool-use.response.sse"),
     (RECORDED, "stream-image-base64-input.response.sse"),
     (RECORDED, "stream-image-url-input.response.sse"),
@@ -408,16 +349,8 @@ fn non_streamed_replies_fold_like_streams() {
     assert_eq!(reply.usage, Some(usage(3 + 1111 + 418, 33, 1111, 418)));
 
     let reply = response("messages-tool-use-parallel.response.json");
-    assert!(
-        reply
-            .text
-            .starts_with("I'll help you find out who is the youngest")
-    );
-    let names: Vec<Value> = reply
-        .tool_calls
-        .iter()
-        .map(|call| call.arguments["name"].clone())
-        .collect();
+    assert!(reply.text.starts_with("I'll help you find out who is the youngest"));
+    let names: Vec<Value> = reply.tool_calls.iter().map(|call| call.arguments["name"].clone()).collect();
     assert_eq!(names, vec!["Alice", "Bob", "Charlie", "Daisy"]);
     assert_eq!(reply.tool_calls[3].id, "toolu_013mnQZbgtK2oe3Mo3XKJsx3");
     assert_eq!(reply.finish, Some(FinishReason::ToolCalls));
@@ -440,15 +373,8 @@ fn non_streamed_thinking_keeps_its_signature() {
     assert_eq!(
         reply.parts,
         vec![Part::Thinking {
-            text: recorded["content"][0]["thinking"]
-                .as_str()
-                .expect("text")
-                .into(),
-            signature: Some(anthropic_signed(
-                recorded["content"][0]["signature"]
-                    .as_str()
-                    .expect("signature")
-            )),
+            text: recorded["content"][0]["thinking"].as_str().expect("text").into(),
+            signature: Some(anthropic_signed(recorded["content"][0]["signature"].as_str().expect("signature"))),
         }]
     );
     assert_eq!(reply.text, recorded["content"][1]["text"]);
@@ -498,10 +424,7 @@ fn image(url: Option<&str>, data: Option<&str>, mime_type: Option<&str>) -> Part
 }
 
 fn thinking(budget: u32) -> Option<Reasoning> {
-    Some(Reasoning {
-        effort: None,
-        budget_tokens: Some(budget),
-    })
+    Some(Reasoning { effort: None, budget_tokens: Some(budget) })
 }
 
 #[test]
@@ -572,10 +495,7 @@ fn thinking_requests_are_rebuilt() {
         },
     );
     let magic = "ANTHROPIC_MAGIC_STRING_TRIGGER_REDACTED_THINKING_46C9A13E193C177646C7398A98432ECCCE4C1253D5E2D82641AC0E52CC2876CB";
-    for name in [
-        "messages-redacted-thinking.request.json",
-        "stream-redacted-thinking.request.json",
-    ] {
+    for name in ["messages-redacted-thinking.request.json", "stream-redacted-thinking.request.json"] {
         assert_rebuilt(
             name,
             &ChatRequest {
@@ -592,9 +512,7 @@ fn thinking_requests_are_rebuilt() {
 #[test]
 fn image_requests_are_rebuilt() {
     let recorded = read_json(RECORDED, "stream-image-base64-input.request.json");
-    let data = recorded["messages"][0]["content"][0]["source"]["data"]
-        .as_str()
-        .expect("base64");
+    let data = recorded["messages"][0]["content"][0]["source"]["data"].as_str().expect("base64");
     let mut message = user_text("Describe image in three words");
     message.parts = vec![image(None, Some(data), Some("image/png"))];
     let request = ChatRequest {
@@ -609,22 +527,14 @@ fn image_requests_are_rebuilt() {
     // The same image as a data URL, or without a mime type, gives the same
     // request: the type is read from the URL or from the PNG signature.
     let mut from_data_url = request.clone();
-    from_data_url.messages[0].parts = vec![image(
-        Some(&format!("data:image/png;base64,{data}")),
-        None,
-        None,
-    )];
+    from_data_url.messages[0].parts = vec![image(Some(&format!("data:image/png;base64,{data}")), None, None)];
     assert_rebuilt("stream-image-base64-input.request.json", &from_data_url);
     let mut sniffed = request.clone();
     sniffed.messages[0].parts = vec![image(None, Some(data), None)];
     assert_rebuilt("stream-image-base64-input.request.json", &sniffed);
 
     let mut message = user_text("describe image");
-    message.parts = vec![image(
-        Some("https://static.simonwillison.net/static/2024/pelican.jpg"),
-        None,
-        None,
-    )];
+    message.parts = vec![image(Some("https://static.simonwillison.net/static/2024/pelican.jpg"), None, None)];
     assert_rebuilt(
         "stream-image-url-input.request.json",
         &ChatRequest {
@@ -682,9 +592,7 @@ fn tool_requests_are_rebuilt() {
                     .expect("system")
                     .into(),
             ),
-            messages: vec![user_text(
-                "Alice, Bob, Charlie and Daisy are a family. Who is the youngest?",
-            )],
+            messages: vec![user_text("Alice, Bob, Charlie and Daisy are a family. Who is the youngest?")],
             tools: vec![ToolSpec {
                 name: "retrieve_entity_info".into(),
                 description: "Get the knowledge about the given entity.".into(),
@@ -735,9 +643,7 @@ fn the_recorded_thinking_round_trip_is_rebuilt_byte_for_byte() {
         messages: vec![
             user_text("How do I cross the street?"),
             reply.message(),
-            user_text(
-                "Considering the way to cross the street, analogously, how do I cross the river?",
-            ),
+            user_text("Considering the way to cross the street, analogously, how do I cross the river?"),
         ],
         max_output_tokens: Some(4096),
         reasoning: thinking(1024),
@@ -747,8 +653,7 @@ fn the_recorded_thinking_round_trip_is_rebuilt_byte_for_byte() {
 
     // And byte-for-byte on the wire: the signature's exact text, as the
     // response carried it, is in the body we would send.
-    let body = serde_json::to_string(&anthropic::request_body(&request, false).expect("builds"))
-        .expect("serialises");
+    let body = serde_json::to_string(&anthropic::request_body(&request, false).expect("builds")).expect("serialises");
     let recorded = read_json(RECORDED, "messages-thinking.response.json");
     let signature = recorded["content"][0]["signature"].as_str().expect("sig");
     assert!(body.contains(&format!("\"signature\":\"{signature}\"")));
@@ -756,10 +661,7 @@ fn the_recorded_thinking_round_trip_is_rebuilt_byte_for_byte() {
 
 #[test]
 fn thinking_from_other_providers_is_dropped_cleanly() {
-    let gemini = |data: &str| ProviderOpaque {
-        provider: "gemini".into(),
-        data: data.into(),
-    };
+    let gemini = |data: &str| ProviderOpaque { provider: "gemini".into(), data: data.into() };
     let call = ToolCall {
         id: "call_1".into(),
         name: "lookup".into(),
@@ -770,17 +672,9 @@ fn thinking_from_other_providers_is_dropped_cleanly() {
         role: Role::Assistant,
         content: Some("Let me look.".into()),
         parts: vec![
-            Part::Thinking {
-                text: "gemini thought summary".into(),
-                signature: Some(gemini("EpwICpkI")),
-            },
-            Part::Thinking {
-                text: "unsigned reasoning (an OpenAI-compatible server)".into(),
-                signature: None,
-            },
-            Part::RedactedThinking {
-                data: gemini("opaque"),
-            },
+            Part::Thinking { text: "gemini thought summary".into(), signature: Some(gemini("EpwICpkI")) },
+            Part::Thinking { text: "unsigned reasoning (an OpenAI-compatible server)".into(), signature: None },
+            Part::RedactedThinking { data: gemini("opaque") },
         ],
         tool_calls: vec![call.clone()],
         tool_call_id: None,
@@ -850,18 +744,8 @@ fn every_error_body_maps_to_its_code() {
             ErrorCode::InvalidRequest,
             "This model does not support effort level 'xhigh'.",
         ),
-        (
-            RECORDED,
-            "error-401-authentication",
-            ErrorCode::Authentication,
-            "invalid x-api-key",
-        ),
-        (
-            RECORDED,
-            "error-404-not-found-model",
-            ErrorCode::NotFound,
-            "model: claude-sonet-4-5",
-        ),
+        (RECORDED, "error-401-authentication", ErrorCode::Authentication, "invalid x-api-key"),
+        (RECORDED, "error-404-not-found-model", ErrorCode::NotFound, "model: claude-sonet-4-5"),
         (
             WRITTEN,
             "error-400-prompt-too-long",
@@ -874,34 +758,15 @@ fn every_error_body_maps_to_its_code() {
             ErrorCode::ContextLengthExceeded,
             "Request exceeds the maximum allowed number of bytes.",
         ),
-        (
-            WRITTEN,
-            "error-429-rate-limit",
-            ErrorCode::RateLimit,
-            "This request would exceed the rate limit",
-        ),
-        (
-            WRITTEN,
-            "error-500-api-error",
-            ErrorCode::ProviderUnavailable,
-            "Internal server error",
-        ),
-        (
-            WRITTEN,
-            "error-529-overloaded",
-            ErrorCode::Overloaded,
-            "Overloaded",
-        ),
+        (WRITTEN, "error-429-rate-limit", ErrorCode::RateLimit, "This request would exceed the rate limit"),
+        (WRITTEN, "error-500-api-error", ErrorCode::ProviderUnavailable, "Internal server error"),
+        (WRITTEN, "error-529-overloaded", ErrorCode::Overloaded, "Overloaded"),
     ];
     for (dir, case, code, message) in cases {
         let response = error_response(dir, case);
         let error = anthropic::error_from_response(&response);
         assert_eq!(error.code, *code, "{case}");
-        assert!(
-            error.message.starts_with(message),
-            "{case}: the provider's message is kept, got {:?}",
-            error.message
-        );
+        assert!(error.message.starts_with(message), "{case}: the provider's message is kept, got {:?}", error.message);
         assert_eq!(error.status, Some(response.status), "{case}");
         let expected_wait = (*case == "error-429-rate-limit").then(|| Duration::from_secs(20));
         assert_eq!(error.retry_after, expected_wait, "{case}");
@@ -913,25 +778,16 @@ fn written_fixtures_say_they_come_from_the_docs() {
     for entry in std::fs::read_dir(WRITTEN).expect("fixture folder") {
         let path = entry.expect("entry").path();
         if path.to_string_lossy().ends_with(".meta.json") {
-            let meta: Value =
-                serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
-            assert_eq!(
-                meta["written_from"],
-                "the provider's API reference (docs)",
-                "{}",
-                path.display()
-            );
+            let meta: Value = serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+            assert_eq!(meta["written_from"], "the provider's API reference (docs)", "{}", path.display());
         }
     }
 }
 
 #[test]
 fn unreadable_error_bodies_fall_back_to_the_status() {
-    let response = ErrorResponse {
-        status: 529,
-        headers: HeaderMap::new(),
-        body: "<html>upstream overloaded</html>".into(),
-    };
+    let response =
+        ErrorResponse { status: 529, headers: HeaderMap::new(), body: "<html>upstream overloaded</html>".into() };
     let error = anthropic::error_from_response(&response);
     assert_eq!(error.code, ErrorCode::Overloaded);
     assert!(error.message.contains("529"));
@@ -948,4 +804,32 @@ fn unreadable_error_bodies_fall_back_to_the_status() {
         ErrorCode::Permission,
         "a spending limit does not lift by waiting"
     );
+}
+
+// ---------------------------------------------------------------------------
+// Registry
+// ---------------------------------------------------------------------------
+
+#[test]
+fn shipped_claude_models_are_priced_with_cache_rates() {
+    let registry = arbor_providers::Registry::shipped();
+    let claude: Vec<_> = registry.iter().filter(|model| model.provider == "anthropic").collect();
+    for id in
+        ["claude-sonnet-4-5", "claude-sonnet-4-20250514", "claude-opus-4-1", "claude-haiku-4-5", "claude-3-5-haiku"]
+    {
+        assert!(claude.iter().any(|model| model.id == id), "{id} is shipped");
+    }
+    for model in claude {
+        let prices = model.prices;
+        // Anthropic bills a cache write at 1.25x and a cache read at 0.1x.
+        assert_eq!(prices.cache_write, Some(prices.input * 5 / 4), "{}", model.id);
+        assert_eq!(prices.cached_input, Some(prices.input / 10), "{}", model.id);
+        assert!(prices.output > prices.input, "{}", model.id);
+        assert_eq!(model.context_window, 200_000, "{}", model.id);
+        assert!(model.capabilities.vision && model.capabilities.tools);
+    }
+    let sonnet = registry.get("claude-sonnet-4-5").expect("shipped");
+    assert_eq!(sonnet.prices.input, 3_000_000);
+    assert!(sonnet.capabilities.thinking);
+    assert_eq!(registry.get("claude-3-5-haiku").expect("shipped").upstream_name(), "claude-3-5-haiku-latest");
 }

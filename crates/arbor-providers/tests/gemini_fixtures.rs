@@ -1059,3 +1059,23 @@ fn roles_of_a_message_are_only_user_and_model() {
     let body = gemini::request_body(&request).expect("builds");
     assert_eq!(body["contents"], json!([{"role": "user", "parts": [{"text": "be terse"}, {"text": "hi"}]}]));
 }
+
+// ---------------------------------------------------------------------------
+// Registry
+// ---------------------------------------------------------------------------
+
+#[test]
+fn shipped_gemini_models_are_priced_and_sized() {
+    let registry = arbor_providers::Registry::shipped();
+    for id in ["gemini-2.5-pro", "gemini-2.5-flash", "gemini-2.5-flash-lite", "gemini-2.0-flash"] {
+        let model = registry.get(id).expect("shipped");
+        assert_eq!(model.provider, "gemini", "{id}");
+        assert_eq!(model.context_window, 1_048_576, "{id}");
+        assert!(model.capabilities.vision && model.capabilities.tools, "{id}");
+        let cached = model.prices.cached_input.expect("cached price");
+        assert!(cached < model.prices.input, "{id}");
+    }
+    assert!(registry.get("gemini-2.5-pro").expect("shipped").capabilities.thinking);
+    assert!(!registry.get("gemini-2.0-flash").expect("shipped").capabilities.thinking);
+    assert_eq!(registry.get("gemini-2.5-flash").expect("shipped").prices.output, 2_500_000);
+}
