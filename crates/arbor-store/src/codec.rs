@@ -44,9 +44,8 @@ pub(crate) fn json_list<T: Serialize>(items: &[T]) -> StoreResult<Option<String>
 fn parse_json_list<T: DeserializeOwned>(column: &str, text: Option<String>) -> StoreResult<Vec<T>> {
     match text {
         None => Ok(Vec::new()),
-        Some(text) => serde_json::from_str(&text).map_err(|error| {
-            StoreError::Database(format!("stored {column} is not valid json: {error}"))
-        }),
+        Some(text) => serde_json::from_str(&text)
+            .map_err(|error| StoreError::Database(format!("stored {column} is not valid json: {error}"))),
     }
 }
 
@@ -99,8 +98,7 @@ where
     for<'c> &'c str: ColumnIndex<R>,
     T: Decode<'r, R::Database> + Type<R::Database>,
 {
-    row.try_get(column)
-        .map_err(|error| StoreError::Database(format!("cannot read column {column}: {error}")))
+    row.try_get(column).map_err(|error| StoreError::Database(format!("cannot read column {column}: {error}")))
 }
 
 macro_rules! decoders {
@@ -254,17 +252,10 @@ decoders! {
 /// conversation's.
 pub(crate) fn batch_target(nodes: &[Node]) -> StoreResult<(&str, &str)> {
     let (Some(first), Some(last)) = (nodes.first(), nodes.last()) else {
-        return Err(StoreError::Database(
-            "append_messages was given no nodes".into(),
-        ));
+        return Err(StoreError::Database("append_messages was given no nodes".into()));
     };
-    if nodes
-        .iter()
-        .any(|node| node.conversation_id != first.conversation_id)
-    {
-        return Err(StoreError::Database(
-            "append_messages was given nodes of several conversations".into(),
-        ));
+    if nodes.iter().any(|node| node.conversation_id != first.conversation_id) {
+        return Err(StoreError::Database("append_messages was given nodes of several conversations".into()));
     }
     Ok((&first.conversation_id, &last.id))
 }
@@ -274,8 +265,7 @@ pub(crate) fn batch_target(nodes: &[Node]) -> StoreResult<(&str, &str)> {
 pub(crate) fn running_turn_conflict(error: sqlx::Error) -> StoreError {
     if let sqlx::Error::Database(database) = &error
         && database.is_unique_violation()
-        && (database.constraint() == Some(RUNNING_TURN_INDEX)
-            || database.message().contains("turns.conversation_id"))
+        && (database.constraint() == Some(RUNNING_TURN_INDEX) || database.message().contains("turns.conversation_id"))
     {
         return StoreError::Conflict("the conversation already has a running turn".into());
     }
@@ -294,14 +284,18 @@ pub(crate) fn migrator(migrations: &[(i64, &'static str, &'static str)]) -> Migr
         migrations
             .iter()
             .map(|&(version, description, sql)| {
-                Migration::new(
-                    version,
-                    Cow::Borrowed(description),
-                    MigrationType::Simple,
-                    sql.into_sql_str(),
-                    false,
-                )
+                Migration::new(version, Cow::Borrowed(description), MigrationType::Simple, sql.into_sql_str(), false)
             })
             .collect(),
     )
+}
+
+/// `events` renumbered `last + 1, last + 2, …` for `conversation_id`.
+pub(crate) fn number_events(conversation_id: &str, last: i64, events: &[Event]) -> Vec<Event> {
+    let conversation_id: Arc<str> = Arc::from(conversation_id);
+    events
+        .iter()
+        .zip(last + 1..)
+        .map(|(event, seq)| Event { seq, conversation_id: conversation_id.clone(), ..event.clone() })
+        .collect()
 }

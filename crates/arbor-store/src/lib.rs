@@ -45,9 +45,7 @@ impl From<sqlx::Error> for StoreError {
             }
             // A row that points at a missing one: the conversation, user or
             // parent message named does not exist.
-            sqlx::Error::Database(database) if database.is_foreign_key_violation() => {
-                StoreError::NotFound
-            }
+            sqlx::Error::Database(database) if database.is_foreign_key_violation() => StoreError::NotFound,
             _ => StoreError::Database(error.to_string()),
         }
     }
@@ -59,13 +57,9 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// missing) or `postgres://…`. Migrations are applied.
 pub async fn open(database_url: &str) -> StoreResult<std::sync::Arc<dyn Store>> {
     if database_url.starts_with("sqlite:") {
-        Ok(std::sync::Arc::new(
-            sqlite::SqliteStore::open(database_url).await?,
-        ))
+        Ok(std::sync::Arc::new(sqlite::SqliteStore::open(database_url).await?))
     } else if database_url.starts_with("postgres://") || database_url.starts_with("postgresql://") {
-        Ok(std::sync::Arc::new(
-            postgres::PostgresStore::open(database_url).await?,
-        ))
+        Ok(std::sync::Arc::new(postgres::PostgresStore::open(database_url).await?))
     } else {
         // The URL may hold a password: name only its scheme.
         let scheme = database_url.split(':').next().unwrap_or_default();
@@ -95,11 +89,7 @@ pub trait Store: Send + Sync + 'static {
 
     async fn create_conversation(&self, conversation: &Conversation) -> StoreResult<()>;
     /// The owner's conversation, or `None` (also when someone else owns it).
-    async fn conversation(
-        &self,
-        owner_id: &str,
-        conversation_id: &str,
-    ) -> StoreResult<Option<Conversation>>;
+    async fn conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<Option<Conversation>>;
     /// The owner's conversations, newest first (by `created_at`, then id),
     /// starting after `cursor` when given.
     async fn list_conversations(
@@ -132,11 +122,7 @@ pub trait Store: Send + Sync + 'static {
     /// Inserts nodes in order, in one transaction, and moves the head to the
     /// last one (bumping `head_version`). `Conflict` when an id exists in the
     /// conversation (nothing is written then).
-    async fn append_messages(
-        &self,
-        nodes: &[Node],
-        updated_at: arbor_core::ids::Millis,
-    ) -> StoreResult<i64>;
+    async fn append_messages(&self, nodes: &[Node], updated_at: arbor_core::ids::Millis) -> StoreResult<i64>;
     /// Every node of the conversation, in creation order.
     async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>>;
     async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>>;
@@ -162,8 +148,7 @@ pub trait Store: Send + Sync + 'static {
     /// id is the call's. Does not move the head. Recorded spend is real
     /// spend, so the balance may go below zero here; [`Store::reserve_credits`]
     /// is what keeps calls from starting without the credits.
-    async fn record_call(&self, call: &ApiCall, message: Option<&Node>)
-    -> StoreResult<LedgerEntry>;
+    async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry>;
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>>;
     async fn ledger(&self, user_id: &str, limit: u32) -> StoreResult<Vec<LedgerEntry>>;
     /// Sets a user's credit balance (`None`: unlimited).
@@ -173,13 +158,16 @@ pub trait Store: Send + Sync + 'static {
 
     /// Appends events (already numbered) in one transaction.
     async fn append_events(&self, events: &[Event]) -> StoreResult<()>;
+    /// Appends events of one conversation numbered by the database: after
+    /// the highest stored `seq`, in one transaction that holds the
+    /// conversation until it commits. Whichever node writes, numbers have no
+    /// holes and become visible in order, so a client resuming after `n`
+    /// can never skip an event committed later under a smaller number. The
+    /// given `seq` values are ignored; the events are returned as stored.
+    /// `NotFound` for an unknown conversation.
+    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>>;
     /// Events of a conversation with `seq > after`, in order, at most `limit`.
-    async fn events_after(
-        &self,
-        conversation_id: &str,
-        after: i64,
-        limit: u32,
-    ) -> StoreResult<Vec<Event>>;
+    async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>>;
     /// The highest stored `seq` of a conversation (0 when none).
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64>;
 
@@ -221,12 +209,7 @@ pub trait Store: Send + Sync + 'static {
     /// until `expires_at`. True when `owner` holds the lease now; false when
     /// the turn is not running or another node holds it (then `owner` must
     /// stop the turn: it was taken over).
-    async fn renew_lease(
-        &self,
-        turn_id: &str,
-        owner: &str,
-        expires_at: Millis,
-    ) -> StoreResult<bool>;
+    async fn renew_lease(&self, turn_id: &str, owner: &str, expires_at: Millis) -> StoreResult<bool>;
     /// Running turns whose lease expired by `now` (their node stopped
     /// renewing: it died), oldest first. Running turns that never had a
     /// lease are not included.
@@ -234,13 +217,7 @@ pub trait Store: Send + Sync + 'static {
     /// Takes over a running turn whose lease expired by `now`, for `owner`
     /// until `expires_at`. True for exactly one of several nodes racing for
     /// it; false when it was renewed, taken or finished meanwhile.
-    async fn take_over_turn(
-        &self,
-        turn_id: &str,
-        owner: &str,
-        now: Millis,
-        expires_at: Millis,
-    ) -> StoreResult<bool>;
+    async fn take_over_turn(&self, turn_id: &str, owner: &str, now: Millis, expires_at: Millis) -> StoreResult<bool>;
     /// The lease of a turn: `(owner, expires_at)`, or `None` when it has
     /// none (or the turn does not exist).
     async fn turn_lease(&self, turn_id: &str) -> StoreResult<Option<(String, Millis)>>;

@@ -15,7 +15,7 @@ use std::time::Duration;
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 use tokio::sync::{OnceCell, broadcast, oneshot};
 
@@ -24,11 +24,7 @@ use crate::*;
 
 /// The schema, embedded in the binary. Versions are the file name
 /// prefixes; a landed file is never edited.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "initial",
-    include_str!("../migrations/postgres/0001_initial.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../migrations/postgres/0001_initial.sql"))];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
 /// all, so a handful of nodes at this size leave room for admin sessions.
@@ -111,9 +107,7 @@ impl PostgresStore {
             .map_err(|_| StoreError::Database("the notice hub lock is poisoned".into()))?
             .take();
         let Some(mut stop) = stop else {
-            return Err(StoreError::Database(
-                "the notice listener was started twice".into(),
-            ));
+            return Err(StoreError::Database("the notice listener was started twice".into()));
         };
         let sender = self.notices.sender.clone();
         tokio::spawn(async move {
@@ -330,28 +324,21 @@ async fn charge_call(
         balance_after,
         created_at: call.created_at,
     };
-    sqlx::query(concat!(
-        "INSERT INTO cost_ledger (",
-        ledger_columns!(),
-        ") VALUES ($1, $2, $3, $4, $5, $6)"
-    ))
-    .bind(&entry.id)
-    .bind(&entry.user_id)
-    .bind(&entry.api_call_id)
-    .bind(entry.credits)
-    .bind(entry.balance_after)
-    .bind(entry.created_at)
-    .execute(&mut **tx)
-    .await?;
+    sqlx::query(concat!("INSERT INTO cost_ledger (", ledger_columns!(), ") VALUES ($1, $2, $3, $4, $5, $6)"))
+        .bind(&entry.id)
+        .bind(&entry.user_id)
+        .bind(&entry.api_call_id)
+        .bind(entry.credits)
+        .bind(entry.balance_after)
+        .bind(entry.created_at)
+        .execute(&mut **tx)
+        .await?;
     Ok(entry)
 }
 
 /// Gives a reservation's credits back, inside the caller's transaction.
 /// Returns whether the reservation still existed.
-async fn release(
-    tx: &mut Transaction<'static, Postgres>,
-    reservation_id: &str,
-) -> StoreResult<bool> {
+async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) -> StoreResult<bool> {
     let released: Option<i64> = sqlx::query_scalar(
         "WITH gone AS (DELETE FROM credit_reservations WHERE id = $1 RETURNING user_id, credits) \
          UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
@@ -361,6 +348,31 @@ async fn release(
     .fetch_optional(&mut **tx)
     .await?;
     Ok(released.is_some())
+}
+
+/// Inserts events in one statement (`UNNEST` of column arrays).
+async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> StoreResult<()> {
+    let conversation_ids: Vec<&str> = events.iter().map(|e| &*e.conversation_id).collect();
+    let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    let turn_ids: Vec<Option<&str>> = events.iter().map(|e| e.turn_id.as_deref()).collect();
+    let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
+    let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
+    let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
+    sqlx::query(concat!(
+        "INSERT INTO events (",
+        event_columns!(),
+        ") SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::text[], \
+         $5::text[], $6::bigint[])"
+    ))
+    .bind(conversation_ids)
+    .bind(seqs)
+    .bind(turn_ids)
+    .bind(names)
+    .bind(data)
+    .bind(created_ats)
+    .execute(connection)
+    .await?;
+    Ok(())
 }
 
 #[async_trait]
@@ -381,33 +393,23 @@ impl Store for PostgresStore {
     }
 
     async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            user_columns!(),
-            " FROM users WHERE name = $1"
-        ))
-        .bind(name)
-        .fetch_optional(&self.pool)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", user_columns!(), " FROM users WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(codec::user_from_row).transpose()
     }
 
     async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            user_columns!(),
-            " FROM users WHERE id = $1"
-        ))
-        .bind(user_id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", user_columns!(), " FROM users WHERE id = $1"))
+            .bind(user_id)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(codec::user_from_row).transpose()
     }
 
     async fn count_users(&self) -> StoreResult<u64> {
-        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users")
-            .fetch_one(&self.pool)
-            .await?;
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users").fetch_one(&self.pool).await?;
         Ok(codec::to_u64(count))
     }
 
@@ -460,11 +462,7 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    async fn conversation(
-        &self,
-        owner_id: &str,
-        conversation_id: &str,
-    ) -> StoreResult<Option<Conversation>> {
+    async fn conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<Option<Conversation>> {
         let row = sqlx::query(concat!(
             "SELECT ",
             conversation_columns!(),
@@ -620,27 +618,21 @@ impl Store for PostgresStore {
     }
 
     async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>> {
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            node_columns!(),
-            " FROM messages WHERE conversation_id = $1 ORDER BY seq"
-        ))
-        .bind(conversation_id)
-        .fetch_all(&self.pool)
-        .await?;
+        let rows =
+            sqlx::query(concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = $1 ORDER BY seq"))
+                .bind(conversation_id)
+                .fetch_all(&self.pool)
+                .await?;
         rows.iter().map(codec::node_from_row).collect()
     }
 
     async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            node_columns!(),
-            " FROM messages WHERE conversation_id = $1 AND id = $2"
-        ))
-        .bind(conversation_id)
-        .bind(message_id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let row =
+            sqlx::query(concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = $1 AND id = $2"))
+                .bind(conversation_id)
+                .bind(message_id)
+                .fetch_optional(&self.pool)
+                .await?;
         row.as_ref().map(codec::node_from_row).transpose()
     }
 
@@ -736,15 +728,12 @@ impl Store for PostgresStore {
     }
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            turn_columns!(),
-            " FROM turns WHERE conversation_id = $1 AND id = $2"
-        ))
-        .bind(conversation_id)
-        .bind(turn_id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let row =
+            sqlx::query(concat!("SELECT ", turn_columns!(), " FROM turns WHERE conversation_id = $1 AND id = $2"))
+                .bind(conversation_id)
+                .bind(turn_id)
+                .fetch_optional(&self.pool)
+                .await?;
         row.as_ref().map(codec::turn_from_row).transpose()
     }
 
@@ -761,11 +750,7 @@ impl Store for PostgresStore {
         rows.iter().map(codec::turn_from_row).collect()
     }
 
-    async fn record_call(
-        &self,
-        call: &ApiCall,
-        message: Option<&Node>,
-    ) -> StoreResult<LedgerEntry> {
+    async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
         let mut tx = self.begin().await?;
         let entry = charge_call(&mut tx, call, message).await?;
         tx.commit().await?;
@@ -813,37 +798,39 @@ impl Store for PostgresStore {
         if events.is_empty() {
             return Ok(());
         }
-        let conversation_ids: Vec<&str> = events.iter().map(|e| &*e.conversation_id).collect();
-        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
-        let turn_ids: Vec<Option<&str>> = events.iter().map(|e| e.turn_id.as_deref()).collect();
-        let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
-        let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
-        let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
         // One statement is one transaction: a batch is stored whole or not
         // at all.
-        sqlx::query(concat!(
-            "INSERT INTO events (",
-            event_columns!(),
-            ") SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::text[], \
-             $5::text[], $6::bigint[])"
-        ))
-        .bind(conversation_ids)
-        .bind(seqs)
-        .bind(turn_ids)
-        .bind(names)
-        .bind(data)
-        .bind(created_ats)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        let mut connection = self.pool.acquire().await?;
+        insert_events(&mut connection, events).await
     }
 
-    async fn events_after(
-        &self,
-        conversation_id: &str,
-        after: i64,
-        limit: u32,
-    ) -> StoreResult<Vec<Event>> {
+    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
+        let mut tx = self.begin().await?;
+        // The conversation's row lock orders numbering across nodes: the
+        // next writer waits here until this one commits, so numbers become
+        // visible in order. NO KEY UPDATE leaves inserts that merely
+        // reference the conversation (messages, turns) unblocked.
+        let exists: Option<i32> = sqlx::query_scalar("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(conversation_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if exists.is_none() {
+            return Err(StoreError::NotFound);
+        }
+        let last: i64 =
+            sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE conversation_id = $1")
+                .bind(conversation_id)
+                .fetch_one(&mut *tx)
+                .await?;
+        let numbered = codec::number_events(conversation_id, last, events);
+        if !numbered.is_empty() {
+            insert_events(&mut tx, &numbered).await?;
+        }
+        tx.commit().await?;
+        Ok(numbered)
+    }
+
+    async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             event_columns!(),
@@ -858,23 +845,18 @@ impl Store for PostgresStore {
     }
 
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
-        let seq: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE conversation_id = $1",
-        )
-        .bind(conversation_id)
-        .fetch_one(&self.pool)
-        .await?;
+        let seq: i64 =
+            sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE conversation_id = $1")
+                .bind(conversation_id)
+                .fetch_one(&self.pool)
+                .await?;
         Ok(seq)
     }
 
     async fn notify(&self, notice: &Notice) -> StoreResult<()> {
         let payload = serde_json::to_string(notice)
             .map_err(|error| StoreError::Database(format!("cannot encode a notice: {error}")))?;
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(NOTICE_CHANNEL)
-            .bind(payload)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query("SELECT pg_notify($1, $2)").bind(NOTICE_CHANNEL).bind(payload).execute(&self.pool).await?;
         Ok(())
     }
 
@@ -882,10 +864,7 @@ impl Store for PostgresStore {
         // Subscribe before making sure the listener runs, so nothing that
         // arrives once this returns can be missed.
         let receiver = self.notices.sender.subscribe();
-        self.notices
-            .started
-            .get_or_try_init(|| self.start_listening())
-            .await?;
+        self.notices.started.get_or_try_init(|| self.start_listening()).await?;
         Ok(receiver)
     }
 
@@ -905,16 +884,13 @@ impl Store for PostgresStore {
         .fetch_optional(&mut *tx)
         .await?;
         let Some(available_after) = held else {
-            let available: Option<Option<i64>> = sqlx::query_scalar(
-                "SELECT balance_credits - reserved_credits FROM users WHERE id = $1",
-            )
-            .bind(&reservation.user_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let available: Option<Option<i64>> =
+                sqlx::query_scalar("SELECT balance_credits - reserved_credits FROM users WHERE id = $1")
+                    .bind(&reservation.user_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
             let available = available.ok_or(StoreError::NotFound)?;
-            return Ok(ReserveOutcome::Insufficient {
-                available: available.unwrap_or(0),
-            });
+            return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
         };
         sqlx::query(
             "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
@@ -975,21 +951,15 @@ impl Store for PostgresStore {
     }
 
     async fn available_credits(&self, user_id: &str) -> StoreResult<Option<i64>> {
-        let available: Option<Option<i64>> = sqlx::query_scalar(
-            "SELECT balance_credits - reserved_credits FROM users WHERE id = $1",
-        )
-        .bind(user_id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let available: Option<Option<i64>> =
+            sqlx::query_scalar("SELECT balance_credits - reserved_credits FROM users WHERE id = $1")
+                .bind(user_id)
+                .fetch_optional(&self.pool)
+                .await?;
         available.ok_or(StoreError::NotFound)
     }
 
-    async fn renew_lease(
-        &self,
-        turn_id: &str,
-        owner: &str,
-        expires_at: Millis,
-    ) -> StoreResult<bool> {
+    async fn renew_lease(&self, turn_id: &str, owner: &str, expires_at: Millis) -> StoreResult<bool> {
         let result = sqlx::query(
             "UPDATE turns SET lease_owner = $1, lease_expires_at = $2 \
              WHERE id = $3 AND status = 'running' AND (lease_owner IS NULL OR lease_owner = $1)",
@@ -1015,13 +985,7 @@ impl Store for PostgresStore {
         rows.iter().map(codec::turn_from_row).collect()
     }
 
-    async fn take_over_turn(
-        &self,
-        turn_id: &str,
-        owner: &str,
-        now: Millis,
-        expires_at: Millis,
-    ) -> StoreResult<bool> {
+    async fn take_over_turn(&self, turn_id: &str, owner: &str, now: Millis, expires_at: Millis) -> StoreResult<bool> {
         // The expiry is re-checked in the update itself: of several nodes
         // racing for the turn, the first one's new lease fails the others
         // (each waits for the row lock, then re-reads the lease).

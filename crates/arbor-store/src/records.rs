@@ -190,21 +190,11 @@ pub enum Notice {
     /// Events of the conversation are stored up to `seq`.
     Events { conversation_id: String, seq: i64 },
     /// Someone asked to cancel the turn, wherever it runs.
-    CancelTurn {
-        conversation_id: String,
-        turn_id: String,
-    },
+    CancelTurn { conversation_id: String, turn_id: String },
     /// The head moved (work on the branch left should stop).
-    HeadMoved {
-        conversation_id: String,
-        head_id: Option<String>,
-        head_version: i64,
-    },
+    HeadMoved { conversation_id: String, head_id: Option<String>, head_version: i64 },
     /// The turn ended, so a queued turn of the conversation may start.
-    TurnFinished {
-        conversation_id: String,
-        turn_id: String,
-    },
+    TurnFinished { conversation_id: String, turn_id: String },
     /// Sent by the store itself when its listening connection was lost and
     /// re-made: notices may have been missed, so re-read what matters.
     Resync,

@@ -18,9 +18,7 @@ use std::time::Duration;
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Sqlite, Transaction};
 use tokio::sync::broadcast;
 
@@ -36,11 +34,7 @@ const NOTICE_BUFFER: usize = 1024;
 
 /// The schema, embedded in the binary so `arbor serve` needs no files beside
 /// it. Versions are the file name prefixes; a landed file is never edited.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "initial",
-    include_str!("../migrations/sqlite/0001_initial.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../migrations/sqlite/0001_initial.sql"))];
 
 /// Where a `sqlite:` URL points.
 #[derive(Debug, PartialEq, Eq)]
@@ -59,9 +53,7 @@ fn parse_url(url: &str) -> StoreResult<Location> {
     // Connection parameters (`?mode=…`) are Arbor's to choose, not the URL's.
     let path = rest.split('?').next().unwrap_or_default();
     match path {
-        "" => Err(StoreError::Database(format!(
-            "{url:?} names no file: use sqlite://PATH"
-        ))),
+        "" => Err(StoreError::Database(format!("{url:?} names no file: use sqlite://PATH"))),
         ":memory:" => Ok(Location::Memory),
         path => Ok(Location::File(PathBuf::from(path))),
     }
@@ -88,9 +80,8 @@ impl SqliteStore {
             Location::Memory => {
                 // Each in-memory connection is its own database, so one
                 // connection serves both roles and must never be recycled.
-                let options = SqliteConnectOptions::from_str("sqlite::memory:")?
-                    .foreign_keys(true)
-                    .busy_timeout(BUSY_TIMEOUT);
+                let options =
+                    SqliteConnectOptions::from_str("sqlite::memory:")?.foreign_keys(true).busy_timeout(BUSY_TIMEOUT);
                 let pool = SqlitePoolOptions::new()
                     .max_connections(1)
                     .min_connections(1)
@@ -98,11 +89,7 @@ impl SqliteStore {
                     .max_lifetime(None)
                     .connect_with(options)
                     .await?;
-                SqliteStore {
-                    writer: pool.clone(),
-                    reader: pool,
-                    notices: broadcast::channel(NOTICE_BUFFER).0,
-                }
+                SqliteStore { writer: pool.clone(), reader: pool, notices: broadcast::channel(NOTICE_BUFFER).0 }
             }
             Location::File(path) => Self::open_file(&path).await?,
         };
@@ -114,13 +101,10 @@ impl SqliteStore {
     }
 
     async fn open_file(path: &Path) -> StoreResult<SqliteStore> {
-        if let Some(parent) = path
-            .parent()
-            .filter(|parent| !parent.as_os_str().is_empty())
-        {
-            tokio::fs::create_dir_all(parent).await.map_err(|error| {
-                StoreError::Database(format!("cannot create {}: {error}", parent.display()))
-            })?;
+        if let Some(parent) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|error| StoreError::Database(format!("cannot create {}: {error}", parent.display())))?;
         }
         let options = SqliteConnectOptions::new()
             .filename(path)
@@ -132,22 +116,11 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await?;
-        let readers = std::thread::available_parallelism()
-            .map_or(4, |count| count.get())
-            .clamp(2, 8);
-        let reader = SqlitePoolOptions::new()
-            .max_connections(u32::try_from(readers).unwrap_or(4))
-            .connect_with(options)
-            .await?;
-        Ok(SqliteStore {
-            writer,
-            reader,
-            notices: broadcast::channel(NOTICE_BUFFER).0,
-        })
+        let writer = SqlitePoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
+        let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 8);
+        let reader =
+            SqlitePoolOptions::new().max_connections(u32::try_from(readers).unwrap_or(4)).connect_with(options).await?;
+        Ok(SqliteStore { writer, reader, notices: broadcast::channel(NOTICE_BUFFER).0 })
     }
 
     /// A write transaction that holds the write lock from its first
@@ -157,11 +130,8 @@ impl SqliteStore {
     }
 }
 
-const NODE_INSERT: &str = concat!(
-    "INSERT INTO messages (",
-    node_columns!(),
-    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-);
+const NODE_INSERT: &str =
+    concat!("INSERT INTO messages (", node_columns!(), ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
 
 /// The same insert, but an existing node with the id is updated in place
 /// (its identity and place in the tree stay as they were).
@@ -176,11 +146,7 @@ const NODE_UPSERT: &str = concat!(
      provider = excluded.provider, status = excluded.status"
 );
 
-async fn insert_node(
-    tx: &mut Transaction<'static, Sqlite>,
-    statement: &'static str,
-    node: &Node,
-) -> StoreResult<()> {
+async fn insert_node(tx: &mut Transaction<'static, Sqlite>, statement: &'static str, node: &Node) -> StoreResult<()> {
     let columns = NodeColumns::new(node)?;
     sqlx::query(statement)
         .bind(&node.conversation_id)
@@ -282,19 +248,15 @@ async fn charge_call(
         balance_after,
         created_at: call.created_at,
     };
-    sqlx::query(concat!(
-        "INSERT INTO cost_ledger (",
-        ledger_columns!(),
-        ") VALUES (?, ?, ?, ?, ?, ?)"
-    ))
-    .bind(&entry.id)
-    .bind(&entry.user_id)
-    .bind(&entry.api_call_id)
-    .bind(entry.credits)
-    .bind(entry.balance_after)
-    .bind(entry.created_at)
-    .execute(&mut **tx)
-    .await?;
+    sqlx::query(concat!("INSERT INTO cost_ledger (", ledger_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))
+        .bind(&entry.id)
+        .bind(&entry.user_id)
+        .bind(&entry.api_call_id)
+        .bind(entry.credits)
+        .bind(entry.balance_after)
+        .bind(entry.created_at)
+        .execute(&mut **tx)
+        .await?;
     Ok(entry)
 }
 
@@ -335,33 +297,23 @@ impl Store for SqliteStore {
     }
 
     async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            user_columns!(),
-            " FROM users WHERE name = ?"
-        ))
-        .bind(name)
-        .fetch_optional(&self.reader)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", user_columns!(), " FROM users WHERE name = ?"))
+            .bind(name)
+            .fetch_optional(&self.reader)
+            .await?;
         row.as_ref().map(codec::user_from_row).transpose()
     }
 
     async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            user_columns!(),
-            " FROM users WHERE id = ?"
-        ))
-        .bind(user_id)
-        .fetch_optional(&self.reader)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", user_columns!(), " FROM users WHERE id = ?"))
+            .bind(user_id)
+            .fetch_optional(&self.reader)
+            .await?;
         row.as_ref().map(codec::user_from_row).transpose()
     }
 
     async fn count_users(&self) -> StoreResult<u64> {
-        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users")
-            .fetch_one(&self.reader)
-            .await?;
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM users").fetch_one(&self.reader).await?;
         Ok(codec::to_u64(count))
     }
 
@@ -414,11 +366,7 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn conversation(
-        &self,
-        owner_id: &str,
-        conversation_id: &str,
-    ) -> StoreResult<Option<Conversation>> {
+    async fn conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<Option<Conversation>> {
         let row = sqlx::query(concat!(
             "SELECT ",
             conversation_columns!(),
@@ -518,11 +466,10 @@ impl Store for SqliteStore {
         updated_at: Millis,
     ) -> StoreResult<i64> {
         let mut tx = self.write().await?;
-        let current: Option<i64> =
-            sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = ?")
-                .bind(conversation_id)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let current: Option<i64> = sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = ?")
+            .bind(conversation_id)
+            .fetch_optional(&mut *tx)
+            .await?;
         let current = current.ok_or(StoreError::NotFound)?;
         if let Some(expected) = expected_version
             && expected != current
@@ -530,12 +477,11 @@ impl Store for SqliteStore {
             return Err(StoreError::HeadVersionMismatch { current });
         }
         if let Some(head_id) = head_id {
-            let exists: Option<i64> =
-                sqlx::query_scalar("SELECT 1 FROM messages WHERE conversation_id = ? AND id = ?")
-                    .bind(conversation_id)
-                    .bind(head_id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+            let exists: Option<i64> = sqlx::query_scalar("SELECT 1 FROM messages WHERE conversation_id = ? AND id = ?")
+                .bind(conversation_id)
+                .bind(head_id)
+                .fetch_optional(&mut *tx)
+                .await?;
             if exists.is_none() {
                 return Err(StoreError::NotFound);
             }
@@ -565,27 +511,21 @@ impl Store for SqliteStore {
     }
 
     async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>> {
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            node_columns!(),
-            " FROM messages WHERE conversation_id = ? ORDER BY seq"
-        ))
-        .bind(conversation_id)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows =
+            sqlx::query(concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? ORDER BY seq"))
+                .bind(conversation_id)
+                .fetch_all(&self.reader)
+                .await?;
         rows.iter().map(codec::node_from_row).collect()
     }
 
     async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            node_columns!(),
-            " FROM messages WHERE conversation_id = ? AND id = ?"
-        ))
-        .bind(conversation_id)
-        .bind(message_id)
-        .fetch_optional(&self.reader)
-        .await?;
+        let row =
+            sqlx::query(concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? AND id = ?"))
+                .bind(conversation_id)
+                .bind(message_id)
+                .fetch_optional(&self.reader)
+                .await?;
         row.as_ref().map(codec::node_from_row).transpose()
     }
 
@@ -679,15 +619,11 @@ impl Store for SqliteStore {
     }
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
-        let row = sqlx::query(concat!(
-            "SELECT ",
-            turn_columns!(),
-            " FROM turns WHERE conversation_id = ? AND id = ?"
-        ))
-        .bind(conversation_id)
-        .bind(turn_id)
-        .fetch_optional(&self.reader)
-        .await?;
+        let row = sqlx::query(concat!("SELECT ", turn_columns!(), " FROM turns WHERE conversation_id = ? AND id = ?"))
+            .bind(conversation_id)
+            .bind(turn_id)
+            .fetch_optional(&self.reader)
+            .await?;
         row.as_ref().map(codec::turn_from_row).transpose()
     }
 
@@ -695,8 +631,7 @@ impl Store for SqliteStore {
         // SQLite has no array parameters: the statuses travel as one JSON
         // array, unpacked by json_each, so the statement stays static.
         let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
-        let names = serde_json::to_string(&names)
-            .map_err(|error| StoreError::Database(error.to_string()))?;
+        let names = serde_json::to_string(&names).map_err(|error| StoreError::Database(error.to_string()))?;
         let rows = sqlx::query(concat!(
             "SELECT ",
             turn_columns!(),
@@ -709,11 +644,7 @@ impl Store for SqliteStore {
         rows.iter().map(codec::turn_from_row).collect()
     }
 
-    async fn record_call(
-        &self,
-        call: &ApiCall,
-        message: Option<&Node>,
-    ) -> StoreResult<LedgerEntry> {
+    async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
         let mut tx = self.write().await?;
         let entry = charge_call(&mut tx, call, message).await?;
         tx.commit().await?;
@@ -763,30 +694,49 @@ impl Store for SqliteStore {
         }
         let mut tx = self.write().await?;
         for event in events {
-            sqlx::query(concat!(
-                "INSERT INTO events (",
-                event_columns!(),
-                ") VALUES (?, ?, ?, ?, ?, ?)"
-            ))
-            .bind(&*event.conversation_id)
-            .bind(event.seq)
-            .bind(event.turn_id.as_deref())
-            .bind(event.name.as_str())
-            .bind(&*event.data)
-            .bind(event.created_at)
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query(concat!("INSERT INTO events (", event_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))
+                .bind(&*event.conversation_id)
+                .bind(event.seq)
+                .bind(event.turn_id.as_deref())
+                .bind(event.name.as_str())
+                .bind(&*event.data)
+                .bind(event.created_at)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(())
     }
 
-    async fn events_after(
-        &self,
-        conversation_id: &str,
-        after: i64,
-        limit: u32,
-    ) -> StoreResult<Vec<Event>> {
+    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
+        // The write transaction is the lock: no other writer can number
+        // events between the read of the last seq and the commit.
+        let mut tx = self.write().await?;
+        let last: Option<i64> = sqlx::query_scalar(
+            "SELECT (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?1) \
+             FROM conversations WHERE id = ?1",
+        )
+        .bind(conversation_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let last = last.ok_or(StoreError::NotFound)?;
+        let numbered = codec::number_events(conversation_id, last, events);
+        for event in &numbered {
+            sqlx::query(concat!("INSERT INTO events (", event_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))
+                .bind(&*event.conversation_id)
+                .bind(event.seq)
+                .bind(event.turn_id.as_deref())
+                .bind(event.name.as_str())
+                .bind(&*event.data)
+                .bind(event.created_at)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(numbered)
+    }
+
+    async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             event_columns!(),
@@ -801,12 +751,10 @@ impl Store for SqliteStore {
     }
 
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
-        let seq: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?",
-        )
-        .bind(conversation_id)
-        .fetch_one(&self.reader)
-        .await?;
+        let seq: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?")
+            .bind(conversation_id)
+            .fetch_one(&self.reader)
+            .await?;
         Ok(seq)
     }
 
@@ -835,16 +783,13 @@ impl Store for SqliteStore {
         .fetch_optional(&mut *tx)
         .await?;
         let Some(available_after) = held else {
-            let available: Option<Option<i64>> = sqlx::query_scalar(
-                "SELECT balance_credits - reserved_credits FROM users WHERE id = ?",
-            )
-            .bind(&reservation.user_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let available: Option<Option<i64>> =
+                sqlx::query_scalar("SELECT balance_credits - reserved_credits FROM users WHERE id = ?")
+                    .bind(&reservation.user_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
             let available = available.ok_or(StoreError::NotFound)?;
-            return Ok(ReserveOutcome::Insufficient {
-                available: available.unwrap_or(0),
-            });
+            return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
         };
         sqlx::query(
             "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
@@ -883,11 +828,10 @@ impl Store for SqliteStore {
 
     async fn release_expired_reservations(&self, now: Millis) -> StoreResult<u64> {
         let mut tx = self.write().await?;
-        let expired: Vec<String> =
-            sqlx::query_scalar("SELECT id FROM credit_reservations WHERE expires_at <= ?")
-                .bind(now)
-                .fetch_all(&mut *tx)
-                .await?;
+        let expired: Vec<String> = sqlx::query_scalar("SELECT id FROM credit_reservations WHERE expires_at <= ?")
+            .bind(now)
+            .fetch_all(&mut *tx)
+            .await?;
         for id in &expired {
             release(&mut tx, id).await?;
         }
@@ -904,12 +848,7 @@ impl Store for SqliteStore {
         available.ok_or(StoreError::NotFound)
     }
 
-    async fn renew_lease(
-        &self,
-        turn_id: &str,
-        owner: &str,
-        expires_at: Millis,
-    ) -> StoreResult<bool> {
+    async fn renew_lease(&self, turn_id: &str, owner: &str, expires_at: Millis) -> StoreResult<bool> {
         let result = sqlx::query(
             "UPDATE turns SET lease_owner = ?, lease_expires_at = ? \
              WHERE id = ? AND status = 'running' AND (lease_owner IS NULL OR lease_owner = ?)",
@@ -936,13 +875,7 @@ impl Store for SqliteStore {
         rows.iter().map(codec::turn_from_row).collect()
     }
 
-    async fn take_over_turn(
-        &self,
-        turn_id: &str,
-        owner: &str,
-        now: Millis,
-        expires_at: Millis,
-    ) -> StoreResult<bool> {
+    async fn take_over_turn(&self, turn_id: &str, owner: &str, now: Millis, expires_at: Millis) -> StoreResult<bool> {
         // The expiry is re-checked in the update itself: of several nodes
         // racing for the turn, the first one's new lease fails the others.
         let result = sqlx::query(
@@ -977,16 +910,36 @@ mod tests {
 
     #[test]
     fn urls_name_a_file_or_memory() {
-        assert_eq!(
-            parse_url("sqlite://./data/arbor.db").ok(),
-            Some(Location::File(PathBuf::from("./data/arbor.db")))
-        );
-        assert_eq!(
-            parse_url("sqlite:///tmp/a.db?mode=rwc").ok(),
-            Some(Location::File(PathBuf::from("/tmp/a.db")))
-        );
+        assert_eq!(parse_url("sqlite://./data/arbor.db").ok(), Some(Location::File(PathBuf::from("./data/arbor.db"))));
+        assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc").ok(), Some(Location::File(PathBuf::from("/tmp/a.db"))));
         assert_eq!(parse_url("sqlite::memory:").ok(), Some(Location::Memory));
         assert!(parse_url("sqlite://").is_err());
         assert!(parse_url("postgres://x").is_err());
+    }
+
+    #[tokio::test]
+    async fn files_open_in_wal_mode_with_foreign_keys() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", folder.path().join("a.db").display());
+        let store = SqliteStore::open(&url).await.expect("opens");
+        for pool in [&store.writer, &store.reader] {
+            let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(pool).await.expect("journal mode");
+            assert_eq!(mode, "wal");
+            let foreign_keys: i64 =
+                sqlx::query_scalar("PRAGMA foreign_keys").fetch_one(pool).await.expect("foreign keys");
+            assert_eq!(foreign_keys, 1);
+            // NORMAL is 1.
+            let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(pool).await.expect("synchronous");
+            assert_eq!(synchronous, 1);
+        }
+    }
+
+    #[tokio::test]
+    async fn memory_databases_keep_their_rows_while_open() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let user = User { id: "u".into(), name: "n".into(), is_admin: true, balance_credits: None, created_at: 1 };
+        store.create_user(&user).await.expect("create");
+        assert_eq!(store.user("u").await.expect("read"), Some(user));
+        assert_eq!(store.count_users().await.expect("count"), 1);
     }
 }

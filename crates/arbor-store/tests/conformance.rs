@@ -12,10 +12,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use arbor_core::message::NodeStatus;
-use arbor_core::{
-    Event, EventName, Message, Node, Part, Role, ToolCall, ToolStatus, Usage,
-    message::ProviderOpaque,
-};
+use arbor_core::{Event, EventName, Message, Node, Part, Role, ToolCall, ToolStatus, Usage, message::ProviderOpaque};
 use arbor_store::*;
 use serde_json::json;
 
@@ -42,9 +39,7 @@ where
     let path = folder.path().join("nested").join("arbor.db");
     let url = format!("sqlite://{}", path.display());
     let first = arbor_store::open(&url).await.expect("sqlite store opens");
-    let second = arbor_store::open(&url)
-        .await
-        .expect("sqlite store opens twice");
+    let second = arbor_store::open(&url).await.expect("sqlite store opens twice");
     story(first, second).await;
     // Reopening the same file applies no migration twice and keeps the rows.
     let again = arbor_store::open(&url).await.expect("sqlite store reopens");
@@ -72,9 +67,7 @@ where
         return;
     };
     let database = format!("arbor_test_{}", uuid::Uuid::now_v7().simple());
-    let admin = sqlx::PgPool::connect(&server_url)
-        .await
-        .expect("connect to ARBOR_TEST_POSTGRES_URL");
+    let admin = sqlx::PgPool::connect(&server_url).await.expect("connect to ARBOR_TEST_POSTGRES_URL");
     // The name is made above from a uuid, not from user input.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
         .execute(&admin)
@@ -89,19 +82,15 @@ where
         // Run on its own task so a failing assertion comes back as an error
         // here and the database is still dropped.
         let result = tokio::spawn(story(first, second)).await;
-        let again = arbor_store::open(&url)
-            .await
-            .expect("postgres store reopens");
+        let again = arbor_store::open(&url).await.expect("postgres store reopens");
         again.count_users().await.expect("reopened store answers");
         result
     }
     .await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
-    )))
-    .execute(&admin)
-    .await
-    .expect("drop the test database");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)")))
+        .execute(&admin)
+        .await
+        .expect("drop the test database");
     if let Err(error) = outcome {
         std::panic::resume_unwind(error.into_panic());
     }
@@ -174,6 +163,7 @@ pair_stories!(
     story_running_turn_is_unique_across_nodes,
     story_one_node_takes_over_an_expired_turn,
     story_both_nodes_see_every_write,
+    story_numbered_events_have_no_gaps,
 );
 
 /// Notices cross processes only through PostgreSQL; SQLite's stay in the
@@ -199,18 +189,14 @@ stories!(
     story_record_call_charges_atomically,
     story_concurrent_charges_add_up,
     story_events_replay_in_order,
+    story_events_numbered_by_the_store,
+    story_a_large_tree_loads_whole,
 );
 
 // --------------------------------------------------------------- fixtures
 
 fn user(id: &str, balance: Option<i64>) -> User {
-    User {
-        id: id.into(),
-        name: format!("name-{id}"),
-        is_admin: false,
-        balance_credits: balance,
-        created_at: 1_000,
-    }
+    User { id: id.into(), name: format!("name-{id}"), is_admin: false, balance_credits: balance, created_at: 1_000 }
 }
 
 fn conversation(owner: &str, id: &str, created_at: i64) -> Conversation {
@@ -302,14 +288,8 @@ fn event(conversation: &str, seq: i64, data: &str) -> Event {
 
 /// A user `alice` with one conversation `c1`, the setting of most stories.
 async fn alice_with_conversation(store: &dyn Store, balance: Option<i64>) {
-    store
-        .create_user(&user("alice", balance))
-        .await
-        .expect("create alice");
-    store
-        .create_conversation(&conversation("alice", "c1", 10))
-        .await
-        .expect("create c1");
+    store.create_user(&user("alice", balance)).await.expect("create alice");
+    store.create_conversation(&conversation("alice", "c1", 10)).await.expect("create c1");
 }
 
 /// An assistant message with every field a provider can fill, to check the
@@ -321,26 +301,15 @@ fn rich_assistant() -> Message {
         parts: vec![
             Part::Thinking {
                 text: "let me add".into(),
-                signature: Some(ProviderOpaque {
-                    provider: "anthropic".into(),
-                    data: "EqQBCkYI==".into(),
-                }),
+                signature: Some(ProviderOpaque { provider: "anthropic".into(), data: "EqQBCkYI==".into() }),
             },
-            Part::Image {
-                media_id: Some("m1".into()),
-                url: None,
-                data: None,
-                mime_type: Some("image/png".into()),
-            },
+            Part::Image { media_id: Some("m1".into()), url: None, data: None, mime_type: Some("image/png".into()) },
         ],
         tool_calls: vec![ToolCall {
             id: "call_1".into(),
             name: "add".into(),
             arguments: json!({"b": 2, "a": [1, {"z": null}]}),
-            signature: Some(ProviderOpaque {
-                provider: "gemini".into(),
-                data: "sig".into(),
-            }),
+            signature: Some(ProviderOpaque { provider: "gemini".into(), data: "sig".into() }),
         }],
         tool_call_id: None,
         tool_name: None,
@@ -355,28 +324,16 @@ async fn story_users_and_keys(store: Arc<dyn Store>) {
     let mut admin = user("u-admin", None);
     admin.is_admin = true;
     store.create_user(&admin).await.expect("create admin");
-    store
-        .create_user(&user("u-bob", Some(500)))
-        .await
-        .expect("create bob");
+    store.create_user(&user("u-bob", Some(500))).await.expect("create bob");
     assert_eq!(store.count_users().await.expect("count"), 2);
 
     let mut same_name = user("u-other", None);
     same_name.name = admin.name.clone();
-    assert!(matches!(
-        store.create_user(&same_name).await,
-        Err(StoreError::Conflict(_))
-    ));
+    assert!(matches!(store.create_user(&same_name).await, Err(StoreError::Conflict(_))));
     assert_eq!(store.count_users().await.expect("count"), 2);
 
-    assert_eq!(
-        store.user_by_name(&admin.name).await.expect("by name"),
-        Some(admin.clone())
-    );
-    assert_eq!(
-        store.user("u-bob").await.expect("by id"),
-        Some(user("u-bob", Some(500)))
-    );
+    assert_eq!(store.user_by_name(&admin.name).await.expect("by name"), Some(admin.clone()));
+    assert_eq!(store.user("u-bob").await.expect("by id"), Some(user("u-bob", Some(500))));
     assert_eq!(store.user("nobody").await.expect("by id"), None);
     assert_eq!(store.user_by_name("nobody").await.expect("by name"), None);
 
@@ -388,90 +345,37 @@ async fn story_users_and_keys(store: Arc<dyn Store>) {
         created_at: 5,
     };
     store.create_api_key(&key).await.expect("create key");
-    assert_eq!(
-        store.user_by_key_hash(&key.key_hash).await.expect("lookup"),
-        Some(admin)
-    );
-    assert_eq!(
-        store
-            .user_by_key_hash(&"cd".repeat(32))
-            .await
-            .expect("lookup"),
-        None
-    );
+    assert_eq!(store.user_by_key_hash(&key.key_hash).await.expect("lookup"), Some(admin));
+    assert_eq!(store.user_by_key_hash(&"cd".repeat(32)).await.expect("lookup"), None);
 
-    let same_hash = ApiKey {
-        id: "k2".into(),
-        user_id: "u-bob".into(),
-        ..key.clone()
-    };
-    assert!(matches!(
-        store.create_api_key(&same_hash).await,
-        Err(StoreError::Conflict(_))
-    ));
-    let orphan = ApiKey {
-        id: "k3".into(),
-        user_id: "nobody".into(),
-        key_hash: "ef".repeat(32),
-        ..key
-    };
-    assert!(matches!(
-        store.create_api_key(&orphan).await,
-        Err(StoreError::NotFound)
-    ));
+    let same_hash = ApiKey { id: "k2".into(), user_id: "u-bob".into(), ..key.clone() };
+    assert!(matches!(store.create_api_key(&same_hash).await, Err(StoreError::Conflict(_))));
+    let orphan = ApiKey { id: "k3".into(), user_id: "nobody".into(), key_hash: "ef".repeat(32), ..key };
+    assert!(matches!(store.create_api_key(&orphan).await, Err(StoreError::NotFound)));
 }
 
 async fn story_conversations_page_newest_first(store: Arc<dyn Store>) {
-    store
-        .create_user(&user("alice", None))
-        .await
-        .expect("alice");
+    store.create_user(&user("alice", None)).await.expect("alice");
     // Two pairs share a created_at: the id breaks the tie, descending.
-    let stamps = [
-        ("a", 10),
-        ("b", 20),
-        ("c", 20),
-        ("d", 30),
-        ("e", 40),
-        ("f", 40),
-    ];
+    let stamps = [("a", 10), ("b", 20), ("c", 20), ("d", 30), ("e", 40), ("f", 40)];
     for (id, created_at) in stamps {
-        store
-            .create_conversation(&conversation("alice", id, created_at))
-            .await
-            .expect("create");
+        store.create_conversation(&conversation("alice", id, created_at)).await.expect("create");
     }
     let mut seen = Vec::new();
     let mut cursor = None;
     loop {
-        let page = store
-            .list_conversations("alice", cursor.as_ref(), 4)
-            .await
-            .expect("page");
+        let page = store.list_conversations("alice", cursor.as_ref(), 4).await.expect("page");
         assert!(page.len() <= 4);
         let Some(last) = page.last() else { break };
-        cursor = Some(ConversationCursor {
-            created_at: last.created_at,
-            id: last.id.clone(),
-        });
+        cursor = Some(ConversationCursor { created_at: last.created_at, id: last.id.clone() });
         seen.extend(page.iter().map(|c| c.id.clone()));
     }
     assert_eq!(seen, ["f", "e", "d", "c", "b", "a"]);
 
-    let first = store
-        .list_conversations("alice", None, 2)
-        .await
-        .expect("first page");
+    let first = store.list_conversations("alice", None, 2).await.expect("first page");
     assert_eq!(first[0], conversation("alice", "f", 40));
     let after_tie = store
-        .list_conversations(
-            "alice",
-            Some(&ConversationCursor {
-                created_at: 20,
-                id: "c".into(),
-            }),
-            10,
-        )
+        .list_conversations("alice", Some(&ConversationCursor { created_at: 20, id: "c".into() }), 10)
         .await
         .expect("page after c");
     let ids: Vec<_> = after_tie.iter().map(|c| c.id.as_str()).collect();
@@ -483,40 +387,15 @@ async fn story_owners_see_only_their_conversations(store: Arc<dyn Store>) {
     store.create_user(&user("bob", None)).await.expect("bob");
 
     assert_eq!(store.conversation("bob", "c1").await.expect("read"), None);
-    assert!(
-        store
-            .list_conversations("bob", None, 10)
-            .await
-            .expect("list")
-            .is_empty()
-    );
-    let update = ConversationUpdate {
-        title: Some("mine now".into()),
-        updated_at: 99,
-        ..ConversationUpdate::default()
-    };
-    assert!(matches!(
-        store.update_conversation("bob", "c1", &update).await,
-        Err(StoreError::NotFound)
-    ));
-    assert!(matches!(
-        store.delete_conversation("bob", "c1").await,
-        Err(StoreError::NotFound)
-    ));
+    assert!(store.list_conversations("bob", None, 10).await.expect("list").is_empty());
+    let update = ConversationUpdate { title: Some("mine now".into()), updated_at: 99, ..ConversationUpdate::default() };
+    assert!(matches!(store.update_conversation("bob", "c1", &update).await, Err(StoreError::NotFound)));
+    assert!(matches!(store.delete_conversation("bob", "c1").await, Err(StoreError::NotFound)));
     // Alice's conversation is untouched by bob's attempts.
-    assert_eq!(
-        store.conversation("alice", "c1").await.expect("read"),
-        Some(conversation("alice", "c1", 10))
-    );
+    assert_eq!(store.conversation("alice", "c1").await.expect("read"), Some(conversation("alice", "c1", 10)));
     // A turn is only found through its own conversation.
-    store
-        .create_conversation(&conversation("bob", "c2", 11))
-        .await
-        .expect("bob's conversation");
-    store
-        .insert_turn(&turn("c1", "t1", TurnStatus::Queued, 1))
-        .await
-        .expect("turn");
+    store.create_conversation(&conversation("bob", "c2", 11)).await.expect("bob's conversation");
+    store.insert_turn(&turn("c1", "t1", TurnStatus::Queued, 1)).await.expect("turn");
     assert_eq!(store.turn("c2", "t1").await.expect("read"), None);
     assert!(store.turn("c1", "t1").await.expect("read").is_some());
 }
@@ -529,78 +408,39 @@ async fn story_conversation_update_and_delete_cascade(store: Arc<dyn Store>) {
         model: None,
         updated_at: 77,
     };
-    let updated = store
-        .update_conversation("alice", "c1", &update)
-        .await
-        .expect("update");
+    let updated = store.update_conversation("alice", "c1", &update).await.expect("update");
     let mut expected = conversation("alice", "c1", 10);
     expected.title = Some("renamed".into());
     expected.system_prompt = Some("be brief".into());
     expected.updated_at = 77;
     assert_eq!(updated, expected);
-    assert_eq!(
-        store.conversation("alice", "c1").await.expect("read"),
-        Some(expected)
-    );
+    assert_eq!(store.conversation("alice", "c1").await.expect("read"), Some(expected));
 
     store
         .append_messages(
-            &[
-                node("c1", "u1", None, Message::user("hi")),
-                node("c1", "a1", Some("u1"), Message::assistant("hello")),
-            ],
+            &[node("c1", "u1", None, Message::user("hi")), node("c1", "a1", Some("u1"), Message::assistant("hello"))],
             20,
         )
         .await
         .expect("append");
-    store
-        .insert_turn(&turn("c1", "t1", TurnStatus::Running, 1))
-        .await
-        .expect("turn");
-    store
-        .append_events(&[event("c1", 1, "{}"), event("c1", 2, "{}")])
-        .await
-        .expect("events");
-    store
-        .record_call(&call("call1", "alice", "c1", "t1", 100), None)
-        .await
-        .expect("call");
+    store.insert_turn(&turn("c1", "t1", TurnStatus::Running, 1)).await.expect("turn");
+    store.append_events(&[event("c1", 1, "{}"), event("c1", 2, "{}")]).await.expect("events");
+    store.record_call(&call("call1", "alice", "c1", "t1", 100), None).await.expect("call");
 
-    store
-        .delete_conversation("alice", "c1")
-        .await
-        .expect("delete");
+    store.delete_conversation("alice", "c1").await.expect("delete");
     assert_eq!(store.conversation("alice", "c1").await.expect("read"), None);
     assert!(store.messages("c1").await.expect("messages").is_empty());
     assert_eq!(store.message("c1", "u1").await.expect("message"), None);
     assert_eq!(store.turn("c1", "t1").await.expect("turn"), None);
-    assert!(
-        store
-            .turns_with_status(&[TurnStatus::Running])
-            .await
-            .expect("turns")
-            .is_empty()
-    );
-    assert!(
-        store
-            .events_after("c1", 0, 10)
-            .await
-            .expect("events")
-            .is_empty()
-    );
+    assert!(store.turns_with_status(&[TurnStatus::Running]).await.expect("turns").is_empty());
+    assert!(store.events_after("c1", 0, 10).await.expect("events").is_empty());
     assert_eq!(store.last_event_seq("c1").await.expect("seq"), 0);
     // Billing history outlives the conversation.
     assert_eq!(store.api_calls("t1").await.expect("calls").len(), 1);
     assert_eq!(store.ledger("alice", 10).await.expect("ledger").len(), 1);
-    assert!(matches!(
-        store.delete_conversation("alice", "c1").await,
-        Err(StoreError::NotFound)
-    ));
+    assert!(matches!(store.delete_conversation("alice", "c1").await, Err(StoreError::NotFound)));
     // The id is free again.
-    store
-        .create_conversation(&conversation("alice", "c1", 12))
-        .await
-        .expect("recreate");
+    store.create_conversation(&conversation("alice", "c1", 12)).await.expect("recreate");
     assert!(store.messages("c1").await.expect("messages").is_empty());
 }
 
@@ -613,93 +453,45 @@ async fn story_messages_keep_tree_and_order(store: Arc<dyn Store>) {
     assistant.model = Some("claude".into());
     assistant.provider = Some("anthropic".into());
     assistant.turn_id = Some("t1".into());
-    let tool = node(
-        "c1",
-        "aa",
-        Some("mm"),
-        Message::tool_result(&rich_assistant().tool_calls[0], ToolStatus::Success, "3"),
-    );
-    let version = store
-        .append_messages(&[user_message.clone(), assistant.clone()], 50)
-        .await
-        .expect("append");
+    let tool =
+        node("c1", "aa", Some("mm"), Message::tool_result(&rich_assistant().tool_calls[0], ToolStatus::Success, "3"));
+    let version = store.append_messages(&[user_message.clone(), assistant.clone()], 50).await.expect("append");
     assert_eq!(version, 1);
-    let version = store
-        .append_messages(std::slice::from_ref(&tool), 60)
-        .await
-        .expect("append");
+    let version = store.append_messages(std::slice::from_ref(&tool), 60).await.expect("append");
     assert_eq!(version, 2);
 
-    let conversation = store
-        .conversation("alice", "c1")
-        .await
-        .expect("read")
-        .expect("exists");
+    let conversation = store.conversation("alice", "c1").await.expect("read").expect("exists");
     assert_eq!(conversation.head_id.as_deref(), Some("aa"));
     assert_eq!(conversation.head_version, 2);
     assert_eq!(conversation.updated_at, 60);
 
     let all = store.messages("c1").await.expect("messages");
     assert_eq!(all, vec![user_message.clone(), assistant.clone(), tool]);
-    assert_eq!(
-        store.message("c1", "mm").await.expect("message"),
-        Some(assistant.clone())
-    );
+    assert_eq!(store.message("c1", "mm").await.expect("message"), Some(assistant.clone()));
     assert_eq!(store.message("c1", "nope").await.expect("message"), None);
 
     // A sibling branch: the same parent, a new reply.
     let sibling = node("c1", "b2", Some("zz"), Message::assistant("another"));
-    store
-        .append_messages(std::slice::from_ref(&sibling), 70)
-        .await
-        .expect("branch");
+    store.append_messages(std::slice::from_ref(&sibling), 70).await.expect("branch");
     assert_eq!(store.messages("c1").await.expect("messages").len(), 4);
 
     // The same id in another conversation is another message.
-    store
-        .create_conversation(&conversation_for("alice", "c2"))
-        .await
-        .expect("c2");
-    store
-        .append_messages(&[node("c2", "zz", None, Message::user("other"))], 80)
-        .await
-        .expect("same id elsewhere");
-    assert_eq!(
-        store
-            .message("c2", "zz")
-            .await
-            .expect("message")
-            .and_then(|n| n.message.content),
-        Some("other".into())
-    );
+    store.create_conversation(&conversation_for("alice", "c2")).await.expect("c2");
+    store.append_messages(&[node("c2", "zz", None, Message::user("other"))], 80).await.expect("same id elsewhere");
+    assert_eq!(store.message("c2", "zz").await.expect("message").and_then(|n| n.message.content), Some("other".into()));
 
     // Keeping an interrupted reply: content and status change in place.
     let mut interrupted = assistant;
     interrupted.message.content = Some("partial".into());
     interrupted.message.tool_calls.clear();
     interrupted.status = NodeStatus::Interrupted;
-    store
-        .update_message(&interrupted)
-        .await
-        .expect("update message");
-    assert_eq!(
-        store.message("c1", "mm").await.expect("message"),
-        Some(interrupted.clone())
-    );
-    let order: Vec<_> = store
-        .messages("c1")
-        .await
-        .expect("messages")
-        .into_iter()
-        .map(|n| n.id)
-        .collect();
+    store.update_message(&interrupted).await.expect("update message");
+    assert_eq!(store.message("c1", "mm").await.expect("message"), Some(interrupted.clone()));
+    let order: Vec<_> = store.messages("c1").await.expect("messages").into_iter().map(|n| n.id).collect();
     assert_eq!(order, ["zz", "mm", "aa", "b2"], "updates keep the order");
     let mut missing = interrupted;
     missing.id = "never".into();
-    assert!(matches!(
-        store.update_message(&missing).await,
-        Err(StoreError::NotFound)
-    ));
+    assert!(matches!(store.update_message(&missing).await, Err(StoreError::NotFound)));
 }
 
 fn conversation_for(owner: &str, id: &str) -> Conversation {
@@ -708,10 +500,7 @@ fn conversation_for(owner: &str, id: &str) -> Conversation {
 
 async fn story_append_is_all_or_nothing(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, None).await;
-    store
-        .append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10)
-        .await
-        .expect("append");
+    store.append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10).await.expect("append");
 
     // A batch whose second node reuses an id: nothing of it is written.
     let result = store
@@ -727,36 +516,22 @@ async fn story_append_is_all_or_nothing(store: Arc<dyn Store>) {
     // A batch repeating an id within itself.
     let result = store
         .append_messages(
-            &[
-                node("c1", "x", Some("u1"), Message::user("one")),
-                node("c1", "x", Some("u1"), Message::user("two")),
-            ],
+            &[node("c1", "x", Some("u1"), Message::user("one")), node("c1", "x", Some("u1"), Message::user("two"))],
             20,
         )
         .await;
     assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
     // A parent that is not in the conversation.
-    let result = store
-        .append_messages(
-            &[node("c1", "y", Some("ghost"), Message::user("orphan"))],
-            20,
-        )
-        .await;
+    let result = store.append_messages(&[node("c1", "y", Some("ghost"), Message::user("orphan"))], 20).await;
     assert!(matches!(result, Err(StoreError::NotFound)), "{result:?}");
     // A conversation that does not exist.
-    let result = store
-        .append_messages(&[node("c404", "y", None, Message::user("lost"))], 20)
-        .await;
+    let result = store.append_messages(&[node("c404", "y", None, Message::user("lost"))], 20).await;
     assert!(matches!(result, Err(StoreError::NotFound)), "{result:?}");
 
     let all = store.messages("c1").await.expect("messages");
     assert_eq!(all.len(), 1);
     assert_eq!(all[0].message.content.as_deref(), Some("hi"));
-    let conversation = store
-        .conversation("alice", "c1")
-        .await
-        .expect("read")
-        .expect("exists");
+    let conversation = store.conversation("alice", "c1").await.expect("read").expect("exists");
     assert_eq!(conversation.head_id.as_deref(), Some("u1"));
     assert_eq!(conversation.head_version, 1, "failed appends move nothing");
     assert_eq!(conversation.updated_at, 10);
@@ -766,10 +541,7 @@ async fn story_head_moves_with_optimistic_version(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, None).await;
     let version = store
         .append_messages(
-            &[
-                node("c1", "u1", None, Message::user("hi")),
-                node("c1", "a1", Some("u1"), Message::assistant("hello")),
-            ],
+            &[node("c1", "u1", None, Message::user("hi")), node("c1", "a1", Some("u1"), Message::assistant("hello"))],
             10,
         )
         .await
@@ -777,131 +549,54 @@ async fn story_head_moves_with_optimistic_version(store: Arc<dyn Store>) {
     assert_eq!(version, 1);
 
     let result = store.set_head("c1", Some("u1"), Some(0), 20).await;
-    assert!(
-        matches!(result, Err(StoreError::HeadVersionMismatch { current: 1 })),
-        "{result:?}"
-    );
-    let head = store
-        .conversation("alice", "c1")
-        .await
-        .expect("read")
-        .expect("exists");
-    assert_eq!(
-        head.head_id.as_deref(),
-        Some("a1"),
-        "a mismatch moves nothing"
-    );
+    assert!(matches!(result, Err(StoreError::HeadVersionMismatch { current: 1 })), "{result:?}");
+    let head = store.conversation("alice", "c1").await.expect("read").expect("exists");
+    assert_eq!(head.head_id.as_deref(), Some("a1"), "a mismatch moves nothing");
     assert_eq!(head.head_version, 1);
 
-    assert_eq!(
-        store
-            .set_head("c1", Some("u1"), Some(1), 30)
-            .await
-            .expect("move"),
-        2
-    );
-    assert_eq!(
-        store.set_head("c1", None, None, 40).await.expect("clear"),
-        3
-    );
-    let head = store
-        .conversation("alice", "c1")
-        .await
-        .expect("read")
-        .expect("exists");
-    assert_eq!(
-        (head.head_id, head.head_version, head.updated_at),
-        (None, 3, 40)
-    );
+    assert_eq!(store.set_head("c1", Some("u1"), Some(1), 30).await.expect("move"), 2);
+    assert_eq!(store.set_head("c1", None, None, 40).await.expect("clear"), 3);
+    let head = store.conversation("alice", "c1").await.expect("read").expect("exists");
+    assert_eq!((head.head_id, head.head_version, head.updated_at), (None, 3, 40));
 
-    assert!(matches!(
-        store.set_head("c1", Some("ghost"), None, 50).await,
-        Err(StoreError::NotFound)
-    ));
-    assert!(matches!(
-        store.set_head("c404", None, None, 50).await,
-        Err(StoreError::NotFound)
-    ));
-    assert_eq!(
-        store
-            .conversation("alice", "c1")
-            .await
-            .expect("read")
-            .expect("exists")
-            .head_version,
-        3
-    );
+    assert!(matches!(store.set_head("c1", Some("ghost"), None, 50).await, Err(StoreError::NotFound)));
+    assert!(matches!(store.set_head("c404", None, None, 50).await, Err(StoreError::NotFound)));
+    assert_eq!(store.conversation("alice", "c1").await.expect("read").expect("exists").head_version, 3);
 }
 
 async fn story_one_running_turn_per_conversation(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, None).await;
-    store
-        .create_conversation(&conversation("alice", "c2", 11))
-        .await
-        .expect("c2");
+    store.create_conversation(&conversation("alice", "c2", 11)).await.expect("c2");
     let mut first = turn("c1", "t1", TurnStatus::Running, 1);
     first.started_at = Some(2);
     store.insert_turn(&first).await.expect("first runs");
 
-    let result = store
-        .insert_turn(&turn("c1", "t2", TurnStatus::Running, 3))
-        .await;
+    let result = store.insert_turn(&turn("c1", "t2", TurnStatus::Running, 3)).await;
     assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
     assert_eq!(store.turn("c1", "t2").await.expect("read"), None);
 
     // Queued beside it is fine, and so is running in another conversation.
-    store
-        .insert_turn(&turn("c1", "t3", TurnStatus::Queued, 4))
-        .await
-        .expect("queued");
-    store
-        .insert_turn(&turn("c1", "t4", TurnStatus::Queued, 5))
-        .await
-        .expect("queued");
-    store
-        .insert_turn(&turn("c2", "t5", TurnStatus::Running, 6))
-        .await
-        .expect("another conversation");
-    assert!(matches!(
-        store
-            .insert_turn(&turn("c404", "t6", TurnStatus::Queued, 7))
-            .await,
-        Err(StoreError::NotFound)
-    ));
+    store.insert_turn(&turn("c1", "t3", TurnStatus::Queued, 4)).await.expect("queued");
+    store.insert_turn(&turn("c1", "t4", TurnStatus::Queued, 5)).await.expect("queued");
+    store.insert_turn(&turn("c2", "t5", TurnStatus::Running, 6)).await.expect("another conversation");
+    assert!(matches!(store.insert_turn(&turn("c404", "t6", TurnStatus::Queued, 7)).await, Err(StoreError::NotFound)));
 
     // Promoting a queued turn while the first runs is refused too.
     let mut next = turn("c1", "t3", TurnStatus::Running, 4);
     let result = store.update_turn(&next).await;
     assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
-    assert_eq!(
-        store
-            .turn("c1", "t3")
-            .await
-            .expect("read")
-            .map(|t| t.status),
-        Some(TurnStatus::Queued)
-    );
+    assert_eq!(store.turn("c1", "t3").await.expect("read").map(|t| t.status), Some(TurnStatus::Queued));
 
     // Queue order is creation order.
-    let queued: Vec<_> = store
-        .turns_with_status(&[TurnStatus::Queued])
-        .await
-        .expect("queued")
-        .into_iter()
-        .map(|t| t.id)
-        .collect();
+    let queued: Vec<_> =
+        store.turns_with_status(&[TurnStatus::Queued]).await.expect("queued").into_iter().map(|t| t.id).collect();
     assert_eq!(queued, ["t3", "t4"]);
 
     // Finishing the first frees the slot; its totals are kept.
     first.status = TurnStatus::Succeeded;
     first.iterations = 3;
-    first.usage = Usage {
-        input_tokens: 10,
-        output_tokens: 20,
-        thinking_tokens: 3,
-        cached_tokens: 4,
-        cache_write_tokens: 5,
-    };
+    first.usage =
+        Usage { input_tokens: 10, output_tokens: 20, thinking_tokens: 3, cached_tokens: 4, cache_write_tokens: 5 };
     first.cost_micro_usd = 1234;
     first.reply_message_id = Some("a1".into());
     first.finished_at = Some(9);
@@ -919,19 +614,8 @@ async fn story_one_running_turn_per_conversation(store: Arc<dyn Store>) {
         .map(|t| t.id)
         .collect();
     assert_eq!(running, ["t1", "t3", "t5"]);
-    assert!(
-        store
-            .turns_with_status(&[])
-            .await
-            .expect("none asked")
-            .is_empty()
-    );
-    assert!(matches!(
-        store
-            .update_turn(&turn("c1", "ghost", TurnStatus::Failed, 1))
-            .await,
-        Err(StoreError::NotFound)
-    ));
+    assert!(store.turns_with_status(&[]).await.expect("none asked").is_empty());
+    assert!(matches!(store.update_turn(&turn("c1", "ghost", TurnStatus::Failed, 1)).await, Err(StoreError::NotFound)));
 }
 
 async fn story_concurrent_turn_claims_admit_one(store: Arc<dyn Store>) {
@@ -940,14 +624,7 @@ async fn story_concurrent_turn_claims_admit_one(store: Arc<dyn Store>) {
         .map(|index| {
             let store = store.clone();
             tokio::spawn(async move {
-                store
-                    .insert_turn(&turn(
-                        "c1",
-                        &format!("t{index}"),
-                        TurnStatus::Running,
-                        index,
-                    ))
-                    .await
+                store.insert_turn(&turn("c1", &format!("t{index}"), TurnStatus::Running, index)).await
             })
         })
         .collect();
@@ -960,30 +637,17 @@ async fn story_concurrent_turn_claims_admit_one(store: Arc<dyn Store>) {
         }
     }
     assert_eq!(admitted, 1);
-    assert_eq!(
-        store
-            .turns_with_status(&[TurnStatus::Running])
-            .await
-            .expect("running")
-            .len(),
-        1
-    );
+    assert_eq!(store.turns_with_status(&[TurnStatus::Running]).await.expect("running").len(), 1);
 }
 
 async fn story_record_call_charges_atomically(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, Some(10_000)).await;
-    store
-        .append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10)
-        .await
-        .expect("user message");
+    store.append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10).await.expect("user message");
 
     let mut reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
     reply.turn_id = Some("t1".into());
     let first = call("call1", "alice", "c1", "t1", 2_500);
-    let entry = store
-        .record_call(&first, Some(&reply))
-        .await
-        .expect("record");
+    let entry = store.record_call(&first, Some(&reply)).await.expect("record");
     assert_eq!(
         entry,
         LedgerEntry {
@@ -995,28 +659,15 @@ async fn story_record_call_charges_atomically(store: Arc<dyn Store>) {
             created_at: 3_000,
         }
     );
-    assert_eq!(
-        store.message("c1", "a1").await.expect("read"),
-        Some(reply.clone())
-    );
-    assert_eq!(
-        store
-            .user("alice")
-            .await
-            .expect("read")
-            .and_then(|u| u.balance_credits),
-        Some(7_500)
-    );
+    assert_eq!(store.message("c1", "a1").await.expect("read"), Some(reply.clone()));
+    assert_eq!(store.user("alice").await.expect("read").and_then(|u| u.balance_credits), Some(7_500));
 
     // A second call updates the same message in place (the reply grew).
     reply.message.content = Some("hello there".into());
     reply.message.tool_calls = rich_assistant().tool_calls;
     let mut second = call("call2", "alice", "c1", "t1", 8_000);
     second.created_at = 3_001;
-    let entry = store
-        .record_call(&second, Some(&reply))
-        .await
-        .expect("record");
+    let entry = store.record_call(&second, Some(&reply)).await.expect("record");
     // Recorded spend is real spend: the balance may go below zero.
     assert_eq!(entry.balance_after, Some(-500));
     assert_eq!(store.message("c1", "a1").await.expect("read"), Some(reply));
@@ -1026,19 +677,9 @@ async fn story_record_call_charges_atomically(store: Arc<dyn Store>) {
     let mut third = call("call1", "alice", "c1", "t1", 1_000);
     third.created_at = 3_002;
     let ghost = node("c1", "a2", Some("u1"), Message::assistant("ghost"));
-    assert!(matches!(
-        store.record_call(&third, Some(&ghost)).await,
-        Err(StoreError::Conflict(_))
-    ));
+    assert!(matches!(store.record_call(&third, Some(&ghost)).await, Err(StoreError::Conflict(_))));
     assert_eq!(store.message("c1", "a2").await.expect("read"), None);
-    assert_eq!(
-        store
-            .user("alice")
-            .await
-            .expect("read")
-            .and_then(|u| u.balance_credits),
-        Some(-500)
-    );
+    assert_eq!(store.user("alice").await.expect("read").and_then(|u| u.balance_credits), Some(-500));
 
     let calls = store.api_calls("t1").await.expect("calls");
     assert_eq!(calls, vec![first, second]);
@@ -1049,41 +690,16 @@ async fn story_record_call_charges_atomically(store: Arc<dyn Store>) {
 
     // Unlimited users are charged on the ledger, with no balance.
     store.create_user(&user("bob", None)).await.expect("bob");
-    let entry = store
-        .record_call(&call("call3", "bob", "c1", "t9", 700), None)
-        .await
-        .expect("record");
+    let entry = store.record_call(&call("call3", "bob", "c1", "t9", 700), None).await.expect("record");
     assert_eq!((entry.credits, entry.balance_after), (700, None));
 
-    store
-        .set_balance("bob", Some(42))
-        .await
-        .expect("set balance");
-    assert_eq!(
-        store
-            .user("bob")
-            .await
-            .expect("read")
-            .and_then(|u| u.balance_credits),
-        Some(42)
-    );
+    store.set_balance("bob", Some(42)).await.expect("set balance");
+    assert_eq!(store.user("bob").await.expect("read").and_then(|u| u.balance_credits), Some(42));
     store.set_balance("bob", None).await.expect("unlimited");
-    assert_eq!(
-        store
-            .user("bob")
-            .await
-            .expect("read")
-            .and_then(|u| u.balance_credits),
-        None
-    );
+    assert_eq!(store.user("bob").await.expect("read").and_then(|u| u.balance_credits), None);
+    assert!(matches!(store.set_balance("nobody", Some(1)).await, Err(StoreError::NotFound)));
     assert!(matches!(
-        store.set_balance("nobody", Some(1)).await,
-        Err(StoreError::NotFound)
-    ));
-    assert!(matches!(
-        store
-            .record_call(&call("call4", "nobody", "c1", "t9", 1), None)
-            .await,
+        store.record_call(&call("call4", "nobody", "c1", "t9", 1), None).await,
         Err(StoreError::NotFound)
     ));
 }
@@ -1103,102 +719,44 @@ async fn story_concurrent_charges_add_up(store: Arc<dyn Store>) {
         task.await.expect("task").expect("record");
     }
     let spent: i64 = (0..24).map(|index| 100 + index).sum();
-    assert_eq!(
-        store
-            .user("alice")
-            .await
-            .expect("read")
-            .and_then(|u| u.balance_credits),
-        Some(100_000 - spent)
-    );
+    assert_eq!(store.user("alice").await.expect("read").and_then(|u| u.balance_credits), Some(100_000 - spent));
     let ledger = store.ledger("alice", 100).await.expect("ledger");
     assert_eq!(ledger.len(), 24);
-    let lowest = ledger
-        .iter()
-        .filter_map(|entry| entry.balance_after)
-        .min()
-        .expect("balances");
+    let lowest = ledger.iter().filter_map(|entry| entry.balance_after).min().expect("balances");
     assert_eq!(lowest, 100_000 - spent, "each charge saw the previous ones");
 }
 
 async fn story_events_replay_in_order(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, None).await;
-    store
-        .create_conversation(&conversation("alice", "c2", 11))
-        .await
-        .expect("c2");
+    store.create_conversation(&conversation("alice", "c2", 11)).await.expect("c2");
     assert_eq!(store.last_event_seq("c1").await.expect("seq"), 0);
 
     // Payload bytes come back exactly as written (spacing, key order).
-    let payloads = [
-        r#"{"text": "Hel"}"#,
-        r#"{"text":"lo"}"#,
-        r#"{"z":1,"a":2}"#,
-        "{\"text\":\"é\\n\"}",
-        "{}",
-    ];
-    let events: Vec<_> = payloads
-        .iter()
-        .zip(1..)
-        .map(|(data, seq)| event("c1", seq, data))
-        .collect();
-    store
-        .append_events(&events[..3])
-        .await
-        .expect("first batch");
-    store
-        .append_events(&events[3..])
-        .await
-        .expect("second batch");
-    store
-        .append_events(&[event("c2", 1, "{}")])
-        .await
-        .expect("other conversation");
+    let payloads = [r#"{"text": "Hel"}"#, r#"{"text":"lo"}"#, r#"{"z":1,"a":2}"#, "{\"text\":\"é\\n\"}", "{}"];
+    let events: Vec<_> = payloads.iter().zip(1..).map(|(data, seq)| event("c1", seq, data)).collect();
+    store.append_events(&events[..3]).await.expect("first batch");
+    store.append_events(&events[3..]).await.expect("second batch");
+    store.append_events(&[event("c2", 1, "{}")]).await.expect("other conversation");
     store.append_events(&[]).await.expect("empty batch");
 
     assert_eq!(store.events_after("c1", 0, 100).await.expect("all"), events);
-    assert_eq!(
-        store.events_after("c1", 2, 2).await.expect("page"),
-        events[2..4].to_vec()
-    );
-    assert!(
-        store
-            .events_after("c1", 5, 10)
-            .await
-            .expect("none")
-            .is_empty()
-    );
+    assert_eq!(store.events_after("c1", 2, 2).await.expect("page"), events[2..4].to_vec());
+    assert!(store.events_after("c1", 5, 10).await.expect("none").is_empty());
     assert_eq!(store.last_event_seq("c1").await.expect("seq"), 5);
     assert_eq!(store.last_event_seq("c2").await.expect("seq"), 1);
 
     // A reused seq is a conflict, and the batch holding it writes nothing.
-    let result = store
-        .append_events(&[event("c1", 6, "{}"), event("c1", 3, r#"{"other":true}"#)])
-        .await;
+    let result = store.append_events(&[event("c1", 6, "{}"), event("c1", 3, r#"{"other":true}"#)]).await;
     assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
     assert_eq!(store.last_event_seq("c1").await.expect("seq"), 5);
-    assert_eq!(
-        store.events_after("c1", 2, 1).await.expect("page")[0]
-            .data
-            .as_ref(),
-        payloads[2]
-    );
-    assert!(matches!(
-        store.append_events(&[event("c404", 1, "{}")]).await,
-        Err(StoreError::NotFound)
-    ));
+    assert_eq!(store.events_after("c1", 2, 1).await.expect("page")[0].data.as_ref(), payloads[2]);
+    assert!(matches!(store.append_events(&[event("c404", 1, "{}")]).await, Err(StoreError::NotFound)));
 
     let mut untagged = event("c1", 6, r#"{"turn_id":null}"#);
     untagged.turn_id = None;
     untagged.name = EventName::HeadMoved;
-    store
-        .append_events(std::slice::from_ref(&untagged))
-        .await
-        .expect("no turn");
-    assert_eq!(
-        store.events_after("c1", 5, 10).await.expect("tail"),
-        vec![untagged]
-    );
+    store.append_events(std::slice::from_ref(&untagged)).await.expect("no turn");
+    assert_eq!(store.events_after("c1", 5, 10).await.expect("tail"), vec![untagged]);
 }
 
 // ------------------------------------------- several nodes: notices, quota, leases
@@ -1212,32 +770,16 @@ async fn next_notice(receiver: &mut tokio::sync::broadcast::Receiver<Notice>) ->
 
 fn sample_notices() -> Vec<Notice> {
     vec![
-        Notice::Events {
-            conversation_id: "c1".into(),
-            seq: 41,
-        },
-        Notice::CancelTurn {
-            conversation_id: "c1".into(),
-            turn_id: "t1".into(),
-        },
-        Notice::HeadMoved {
-            conversation_id: "c1".into(),
-            head_id: None,
-            head_version: 7,
-        },
-        Notice::TurnFinished {
-            conversation_id: "c1".into(),
-            turn_id: "t1".into(),
-        },
+        Notice::Events { conversation_id: "c1".into(), seq: 41 },
+        Notice::CancelTurn { conversation_id: "c1".into(), turn_id: "t1".into() },
+        Notice::HeadMoved { conversation_id: "c1".into(), head_id: None, head_version: 7 },
+        Notice::TurnFinished { conversation_id: "c1".into(), turn_id: "t1".into() },
     ]
 }
 
 async fn story_notices_reach_listeners(store: Arc<dyn Store>) {
     // Sending with nobody listening is fine.
-    store
-        .notify(&sample_notices()[0])
-        .await
-        .expect("notify nobody");
+    store.notify(&sample_notices()[0]).await.expect("notify nobody");
     let mut first = store.listen().await.expect("listen");
     let mut second = store.listen().await.expect("listen again");
     for notice in sample_notices() {
@@ -1262,189 +804,83 @@ async fn story_notices_cross_nodes(node_a: Arc<dyn Store>, node_b: Arc<dyn Store
 }
 
 fn reservation(id: &str, user: &str, credits: i64, expires_at: i64) -> Reservation {
-    Reservation {
-        id: id.into(),
-        user_id: user.into(),
-        credits,
-        created_at: 100,
-        expires_at,
-    }
+    Reservation { id: id.into(), user_id: user.into(), credits, created_at: 100, expires_at }
 }
 
 async fn balance(store: &dyn Store, user_id: &str) -> Option<i64> {
-    store
-        .user(user_id)
-        .await
-        .expect("read user")
-        .expect("user exists")
-        .balance_credits
+    store.user(user_id).await.expect("read user").expect("user exists").balance_credits
 }
 
 async fn story_reservations_hold_and_settle(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, Some(1_000)).await;
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(1_000));
     assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(1_000)
+        store.reserve_credits(&reservation("r1", "alice", 600, 10_000)).await.expect("reserve"),
+        ReserveOutcome::Reserved { available_after: Some(400) }
     );
     assert_eq!(
-        store
-            .reserve_credits(&reservation("r1", "alice", 600, 10_000))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::Reserved {
-            available_after: Some(400)
-        }
-    );
-    assert_eq!(
-        store
-            .reserve_credits(&reservation("r2", "alice", 500, 10_000))
-            .await
-            .expect("reserve"),
+        store.reserve_credits(&reservation("r2", "alice", 500, 10_000)).await.expect("reserve"),
         ReserveOutcome::Insufficient { available: 400 }
     );
     // A refused reservation holds nothing, and the balance is untouched.
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(400)
-    );
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(400));
     assert_eq!(balance(&*store, "alice").await, Some(1_000));
 
     // Settling gives the hold back and charges the real cost, atomically.
     let mut reply = node("c1", "a1", None, Message::assistant("hi"));
     reply.turn_id = Some("t1".into());
-    let entry = store
-        .settle_reservation("r1", &call("call1", "alice", "c1", "t1", 550), Some(&reply))
-        .await
-        .expect("settle");
+    let entry =
+        store.settle_reservation("r1", &call("call1", "alice", "c1", "t1", 550), Some(&reply)).await.expect("settle");
     assert_eq!((entry.credits, entry.balance_after), (550, Some(450)));
     assert_eq!(balance(&*store, "alice").await, Some(450));
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(450)
-    );
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(450));
     assert_eq!(store.message("c1", "a1").await.expect("read"), Some(reply));
     // A failed settle (the call id is taken) keeps the hold and charges nothing.
-    store
-        .reserve_credits(&reservation("r3", "alice", 100, 10_000))
-        .await
-        .expect("reserve");
+    store.reserve_credits(&reservation("r3", "alice", 100, 10_000)).await.expect("reserve");
     assert!(matches!(
-        store
-            .settle_reservation("r3", &call("call1", "alice", "c1", "t1", 10), None)
-            .await,
+        store.settle_reservation("r3", &call("call1", "alice", "c1", "t1", 10), None).await,
         Err(StoreError::Conflict(_))
     ));
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(350)
-    );
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(350));
     assert!(store.release_reservation("r3").await.expect("release"));
-    assert!(
-        !store
-            .release_reservation("r3")
-            .await
-            .expect("released twice")
-    );
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(450)
-    );
+    assert!(!store.release_reservation("r3").await.expect("released twice"));
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(450));
 
     // A reused reservation id holds nothing more.
-    store
-        .reserve_credits(&reservation("r4", "alice", 200, 150))
-        .await
-        .expect("reserve");
-    assert!(matches!(
-        store
-            .reserve_credits(&reservation("r4", "alice", 50, 150))
-            .await,
-        Err(StoreError::Conflict(_))
-    ));
-    store
-        .reserve_credits(&reservation("r5", "alice", 100, 500))
-        .await
-        .expect("reserve");
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(150)
-    );
+    store.reserve_credits(&reservation("r4", "alice", 200, 150)).await.expect("reserve");
+    assert!(matches!(store.reserve_credits(&reservation("r4", "alice", 50, 150)).await, Err(StoreError::Conflict(_))));
+    store.reserve_credits(&reservation("r5", "alice", 100, 500)).await.expect("reserve");
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(150));
     // Reservations a dead node left behind come back when they expire.
-    assert_eq!(
-        store
-            .release_expired_reservations(200)
-            .await
-            .expect("expire"),
-        1
-    );
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(350)
-    );
+    assert_eq!(store.release_expired_reservations(200).await.expect("expire"), 1);
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(350));
     // Settling a reservation that already expired still charges the call.
-    assert_eq!(
-        store
-            .release_expired_reservations(1_000)
-            .await
-            .expect("expire"),
-        1
-    );
-    let entry = store
-        .settle_reservation("r5", &call("call2", "alice", "c1", "t1", 50), None)
-        .await
-        .expect("settle expired");
+    assert_eq!(store.release_expired_reservations(1_000).await.expect("expire"), 1);
+    let entry =
+        store.settle_reservation("r5", &call("call2", "alice", "c1", "t1", 50), None).await.expect("settle expired");
     assert_eq!(entry.balance_after, Some(400));
-    assert_eq!(
-        store.available_credits("alice").await.expect("available"),
-        Some(400)
-    );
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(400));
 
     // Unlimited users always get their reservation.
     store.create_user(&user("bob", None)).await.expect("bob");
     assert_eq!(
-        store
-            .reserve_credits(&reservation("r6", "bob", i64::from(u32::MAX), 10_000))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::Reserved {
-            available_after: None
-        }
+        store.reserve_credits(&reservation("r6", "bob", i64::from(u32::MAX), 10_000)).await.expect("reserve"),
+        ReserveOutcome::Reserved { available_after: None }
     );
-    assert_eq!(
-        store.available_credits("bob").await.expect("available"),
-        None
-    );
-    assert!(matches!(
-        store
-            .reserve_credits(&reservation("r7", "nobody", 1, 10_000))
-            .await,
-        Err(StoreError::NotFound)
-    ));
-    assert!(matches!(
-        store.available_credits("nobody").await,
-        Err(StoreError::NotFound)
-    ));
+    assert_eq!(store.available_credits("bob").await.expect("available"), None);
+    assert!(matches!(store.reserve_credits(&reservation("r7", "nobody", 1, 10_000)).await, Err(StoreError::NotFound)));
+    assert!(matches!(store.available_credits("nobody").await, Err(StoreError::NotFound)));
 }
 
-async fn story_concurrent_reservations_never_overspend(
-    node_a: Arc<dyn Store>,
-    node_b: Arc<dyn Store>,
-) {
+async fn story_concurrent_reservations_never_overspend(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
     alice_with_conversation(&*node_a, Some(1_000)).await;
     // Fifty calls of one user, spread over both nodes, each wanting 30.
     let attempts: Vec<_> = (0..50)
         .map(|index| {
-            let store = if index % 2 == 0 {
-                node_a.clone()
-            } else {
-                node_b.clone()
-            };
+            let store = if index % 2 == 0 { node_a.clone() } else { node_b.clone() };
             tokio::spawn(async move {
                 let id = format!("r{index}");
-                let outcome = store
-                    .reserve_credits(&reservation(&id, "alice", 30, 10_000))
-                    .await
-                    .expect("reserve");
+                let outcome = store.reserve_credits(&reservation(&id, "alice", 30, 10_000)).await.expect("reserve");
                 (store, id, outcome)
             })
         })
@@ -1461,10 +897,7 @@ async fn story_concurrent_reservations_never_overspend(
         }
     }
     assert_eq!(granted.len(), 33, "1000 credits hold 33 calls of 30");
-    assert_eq!(
-        node_b.available_credits("alice").await.expect("available"),
-        Some(10)
-    );
+    assert_eq!(node_b.available_credits("alice").await.expect("available"), Some(10));
 
     // Every granted call settles at its reserved cost, concurrently.
     let settles: Vec<_> = granted
@@ -1480,31 +913,16 @@ async fn story_concurrent_reservations_never_overspend(
         settle.await.expect("task").expect("settle");
     }
     assert_eq!(balance(&*node_a, "alice").await, Some(10));
-    assert_eq!(
-        node_a.available_credits("alice").await.expect("available"),
-        Some(10)
-    );
+    assert_eq!(node_a.available_credits("alice").await.expect("available"), Some(10));
     assert_eq!(node_b.ledger("alice", 100).await.expect("ledger").len(), 33);
 }
 
 async fn story_turn_leases(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, None).await;
-    store
-        .create_conversation(&conversation("alice", "c2", 11))
-        .await
-        .expect("c2");
-    store
-        .insert_turn(&turn("c1", "t1", TurnStatus::Running, 1))
-        .await
-        .expect("running");
-    store
-        .insert_turn(&turn("c1", "t2", TurnStatus::Queued, 2))
-        .await
-        .expect("queued");
-    store
-        .insert_turn(&turn("c2", "t3", TurnStatus::Running, 3))
-        .await
-        .expect("running without a lease");
+    store.create_conversation(&conversation("alice", "c2", 11)).await.expect("c2");
+    store.insert_turn(&turn("c1", "t1", TurnStatus::Running, 1)).await.expect("running");
+    store.insert_turn(&turn("c1", "t2", TurnStatus::Queued, 2)).await.expect("queued");
+    store.insert_turn(&turn("c2", "t3", TurnStatus::Running, 3)).await.expect("running without a lease");
 
     assert_eq!(store.turn_lease("t1").await.expect("lease"), None);
     assert!(store.renew_lease("t1", "node-a", 100).await.expect("claim"));
@@ -1513,112 +931,42 @@ async fn story_turn_leases(store: Arc<dyn Store>) {
         !store.renew_lease("t1", "node-b", 300).await.expect("steal"),
         "a lease held by another node is not renewed"
     );
-    assert!(
-        !store
-            .renew_lease("t2", "node-a", 300)
-            .await
-            .expect("queued"),
-        "only running turns carry leases"
-    );
-    assert_eq!(
-        store.turn_lease("t1").await.expect("lease"),
-        Some(("node-a".into(), 200))
-    );
+    assert!(!store.renew_lease("t2", "node-a", 300).await.expect("queued"), "only running turns carry leases");
+    assert_eq!(store.turn_lease("t1").await.expect("lease"), Some(("node-a".into(), 200)));
 
     assert!(
-        store
-            .expired_running_turns(200)
-            .await
-            .expect("expired")
-            .iter()
-            .any(|t| t.id == "t1"),
+        store.expired_running_turns(200).await.expect("expired").iter().any(|t| t.id == "t1"),
         "a lease that ends at `now` has expired"
     );
-    assert!(
-        store
-            .expired_running_turns(199)
-            .await
-            .expect("expired")
-            .is_empty()
-    );
-    assert!(
-        !store
-            .take_over_turn("t1", "node-b", 150, 400)
-            .await
-            .expect("early"),
-        "a live lease cannot be taken over"
-    );
-    assert!(
-        store
-            .take_over_turn("t1", "node-b", 250, 400)
-            .await
-            .expect("take over")
-    );
-    assert!(
-        !store
-            .take_over_turn("t1", "node-c", 250, 400)
-            .await
-            .expect("late"),
-        "only one node takes a turn over"
-    );
-    assert!(
-        !store
-            .renew_lease("t1", "node-a", 500)
-            .await
-            .expect("old owner"),
-        "the old owner learns it lost the turn"
-    );
-    assert_eq!(
-        store.turn_lease("t1").await.expect("lease"),
-        Some(("node-b".into(), 400))
-    );
+    assert!(store.expired_running_turns(199).await.expect("expired").is_empty());
+    assert!(!store.take_over_turn("t1", "node-b", 150, 400).await.expect("early"), "a live lease cannot be taken over");
+    assert!(store.take_over_turn("t1", "node-b", 250, 400).await.expect("take over"));
+    assert!(!store.take_over_turn("t1", "node-c", 250, 400).await.expect("late"), "only one node takes a turn over");
+    assert!(!store.renew_lease("t1", "node-a", 500).await.expect("old owner"), "the old owner learns it lost the turn");
+    assert_eq!(store.turn_lease("t1").await.expect("lease"), Some(("node-b".into(), 400)));
 
     // The new owner ends the turn; finished turns are never expired.
     let mut interrupted = turn("c1", "t1", TurnStatus::Interrupted, 1);
     interrupted.finished_at = Some(260);
     store.update_turn(&interrupted).await.expect("interrupt");
     assert!(
-        store
-            .expired_running_turns(10_000)
-            .await
-            .expect("expired")
-            .is_empty(),
+        store.expired_running_turns(10_000).await.expect("expired").is_empty(),
         "neither finished turns nor turns without a lease are listed"
     );
-    assert!(
-        !store
-            .take_over_turn("t1", "node-c", 10_000, 20_000)
-            .await
-            .expect("finished")
-    );
+    assert!(!store.take_over_turn("t1", "node-c", 10_000, 20_000).await.expect("finished"));
 }
 
 async fn story_one_node_takes_over_an_expired_turn(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
     alice_with_conversation(&*node_a, None).await;
-    node_a
-        .insert_turn(&turn("c1", "t1", TurnStatus::Running, 1))
-        .await
-        .expect("running");
-    assert!(
-        node_a
-            .renew_lease("t1", "node-a", 100)
-            .await
-            .expect("lease")
-    );
+    node_a.insert_turn(&turn("c1", "t1", TurnStatus::Running, 1)).await.expect("running");
+    assert!(node_a.renew_lease("t1", "node-a", 100).await.expect("lease"));
     let expired = node_b.expired_running_turns(1_000).await.expect("expired");
     assert_eq!(expired.len(), 1);
     let races: Vec<_> = (0..16)
         .map(|index| {
-            let store = if index % 2 == 0 {
-                node_a.clone()
-            } else {
-                node_b.clone()
-            };
+            let store = if index % 2 == 0 { node_a.clone() } else { node_b.clone() };
             tokio::spawn(async move {
-                store
-                    .take_over_turn("t1", &format!("node-{index}"), 1_000, 5_000)
-                    .await
-                    .expect("take over")
+                store.take_over_turn("t1", &format!("node-{index}"), 1_000, 5_000).await.expect("take over")
             })
         })
         .collect();
@@ -1635,20 +983,9 @@ async fn story_running_turn_is_unique_across_nodes(node_a: Arc<dyn Store>, node_
     alice_with_conversation(&*node_a, None).await;
     let claims: Vec<_> = (0..16)
         .map(|index| {
-            let store = if index % 2 == 0 {
-                node_a.clone()
-            } else {
-                node_b.clone()
-            };
+            let store = if index % 2 == 0 { node_a.clone() } else { node_b.clone() };
             tokio::spawn(async move {
-                store
-                    .insert_turn(&turn(
-                        "c1",
-                        &format!("t{index}"),
-                        TurnStatus::Running,
-                        index,
-                    ))
-                    .await
+                store.insert_turn(&turn("c1", &format!("t{index}"), TurnStatus::Running, index)).await
             })
         })
         .collect();
@@ -1665,57 +1002,121 @@ async fn story_running_turn_is_unique_across_nodes(node_a: Arc<dyn Store>, node_
 
 async fn story_both_nodes_see_every_write(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
     alice_with_conversation(&*node_a, None).await;
-    node_a
-        .append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10)
-        .await
-        .expect("append on a");
+    node_a.append_messages(&[node("c1", "u1", None, Message::user("hi"))], 10).await.expect("append on a");
     node_b
-        .append_messages(
-            &[node("c1", "a1", Some("u1"), Message::assistant("hello"))],
-            20,
-        )
+        .append_messages(&[node("c1", "a1", Some("u1"), Message::assistant("hello"))], 20)
         .await
         .expect("append on b");
     // The same id from the other node is still a conflict.
     assert!(matches!(
-        node_b
-            .append_messages(&[node("c1", "u1", None, Message::user("again"))], 30)
-            .await,
+        node_b.append_messages(&[node("c1", "u1", None, Message::user("again"))], 30).await,
         Err(StoreError::Conflict(_))
     ));
-    node_a
-        .append_events(&[event("c1", 1, "{}")])
-        .await
-        .expect("events on a");
-    assert!(matches!(
-        node_b.append_events(&[event("c1", 1, "{}")]).await,
-        Err(StoreError::Conflict(_))
-    ));
-    node_b
-        .append_events(&[event("c1", 2, "{}")])
-        .await
-        .expect("events on b");
+    node_a.append_events(&[event("c1", 1, "{}")]).await.expect("events on a");
+    assert!(matches!(node_b.append_events(&[event("c1", 1, "{}")]).await, Err(StoreError::Conflict(_))));
+    node_b.append_events(&[event("c1", 2, "{}")]).await.expect("events on b");
     assert_eq!(node_a.last_event_seq("c1").await.expect("seq"), 2);
-    let ids: Vec<_> = node_a
-        .messages("c1")
-        .await
-        .expect("messages")
-        .into_iter()
-        .map(|n| n.id)
-        .collect();
+    let ids: Vec<_> = node_a.messages("c1").await.expect("messages").into_iter().map(|n| n.id).collect();
     assert_eq!(ids, ["u1", "a1"]);
-    assert_eq!(
-        node_a
-            .conversation("alice", "c1")
-            .await
-            .expect("read")
-            .expect("exists")
-            .head_version,
-        2
-    );
+    assert_eq!(node_a.conversation("alice", "c1").await.expect("read").expect("exists").head_version, 2);
     // A head move on one node is checked against the version the other made.
     assert!(matches!(
         node_a.set_head("c1", Some("u1"), Some(1), 40).await,
         Err(StoreError::HeadVersionMismatch { current: 2 })
     ));
+}
+
+async fn story_a_large_tree_loads_whole(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    // 10,000 nodes in batches of 500: one long branch with a side reply
+    // every tenth node, appended as a busy conversation would grow.
+    let mut expected = Vec::with_capacity(10_000);
+    let mut parent: Option<String> = None;
+    for index in 0..10_000 {
+        let id = format!("n{:05}", 10_000 - index);
+        let sibling = index % 10 == 9;
+        let message = if index % 2 == 0 {
+            Message::user(format!("question {index}"))
+        } else {
+            Message::assistant(format!("answer {index}"))
+        };
+        expected.push(node("c1", &id, parent.as_deref(), message));
+        if !sibling {
+            parent = Some(id);
+        }
+    }
+    for batch in expected.chunks(500) {
+        store.append_messages(batch, 99).await.expect("append batch");
+    }
+    let loaded = store.messages("c1").await.expect("load");
+    assert_eq!(loaded.len(), 10_000);
+    assert!(loaded == expected, "the tree comes back whole, in creation order");
+    let head = store.conversation("alice", "c1").await.expect("read").expect("exists");
+    assert_eq!(head.head_version, 20);
+    assert_eq!(head.head_id.as_deref(), Some("n00001"));
+}
+
+async fn story_events_numbered_by_the_store(store: Arc<dyn Store>) {
+    alice_with_conversation(&*store, None).await;
+    // The seq given is ignored; the store numbers from the last one.
+    let stored = store
+        .append_events_numbered("c1", &[event("c1", 0, "{}"), event("c1", 0, r#"{"b":1}"#)])
+        .await
+        .expect("numbered");
+    let seqs: Vec<_> = stored.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, [1, 2]);
+    store.append_events(&[event("c1", 3, "{}")]).await.expect("pre-numbered");
+    let stored = store.append_events_numbered("c1", &[event("elsewhere", 99, "{}")]).await.expect("numbered");
+    assert_eq!(stored[0].seq, 4);
+    assert_eq!(&*stored[0].conversation_id, "c1");
+    assert_eq!(store.events_after("c1", 0, 10).await.expect("read").len(), 4);
+    assert_eq!(store.events_after("c1", 3, 10).await.expect("read"), stored);
+    assert!(store.append_events_numbered("c1", &[]).await.expect("empty").is_empty());
+    assert!(matches!(store.append_events_numbered("c404", &[event("c404", 0, "{}")]).await, Err(StoreError::NotFound)));
+}
+
+async fn story_numbered_events_have_no_gaps(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    alice_with_conversation(&*node_a, None).await;
+    const WRITERS: usize = 30;
+    const PER_WRITE: usize = 3;
+    let total = (WRITERS * PER_WRITE) as i64;
+
+    // A client tailing the stream from the other node, as a resuming client
+    // would: every read must continue exactly where the last one ended.
+    let reader = {
+        let store = node_b.clone();
+        tokio::spawn(async move {
+            let mut after = 0;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while after < total {
+                assert!(std::time::Instant::now() < deadline, "the tail stalled");
+                let page = store.events_after("c1", after, 1_000).await.expect("tail");
+                for event in page {
+                    assert_eq!(event.seq, after + 1, "a resuming client saw a hole");
+                    after = event.seq;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|writer| {
+            let store = if writer % 2 == 0 { node_a.clone() } else { node_b.clone() };
+            tokio::spawn(async move {
+                let batch: Vec<_> = (0..PER_WRITE)
+                    .map(|part| event("c1", 0, &format!(r#"{{"writer":{writer},"part":{part}}}"#)))
+                    .collect();
+                store.append_events_numbered("c1", &batch).await.expect("append")
+            })
+        })
+        .collect();
+    for writer in writers {
+        let stored = writer.await.expect("task");
+        // Each batch is numbered in one run, in its own order.
+        for pair in stored.windows(2) {
+            assert_eq!(pair[1].seq, pair[0].seq + 1);
+        }
+    }
+    reader.await.expect("reader");
+    assert_eq!(node_a.last_event_seq("c1").await.expect("seq"), total);
 }
