@@ -102,10 +102,7 @@ impl AnthropicProvider {
         if let Some(key) = &self.config.api_key {
             request = request.header("x-api-key", key);
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|error| crate::http::transport_error(&error))?;
+        let response = request.send().await.map_err(|error| crate::http::transport_error(&error))?;
         if response.status().is_success() {
             Ok(response)
         } else {
@@ -129,10 +126,7 @@ impl Provider for AnthropicProvider {
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
         let body = encode(&build_request(&request, false)?)?;
         let response = self.send(body).await?;
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|error| crate::http::body_error(&error))?;
+        let bytes = response.bytes().await.map_err(|error| crate::http::body_error(&error))?;
         let mut collected = Collected::default();
         for chunk in response_chunks(&bytes)? {
             collected.push(&chunk);
@@ -142,12 +136,8 @@ impl Provider for AnthropicProvider {
 }
 
 fn encode(request: &MessagesRequest<'_>) -> Result<Vec<u8>, ProviderError> {
-    serde_json::to_vec(request).map_err(|error| {
-        ProviderError::new(
-            ErrorCode::Internal,
-            format!("could not encode the request: {error}"),
-        )
-    })
+    serde_json::to_vec(request)
+        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
 }
 
 // ---------------------------------------------------------------------------
@@ -230,26 +220,13 @@ enum ImageSource<'a> {
 /// The request body Arbor sends for `request`, as JSON (for tests, mocks and
 /// debugging; the provider serialises the same value directly).
 pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, ProviderError> {
-    serde_json::to_value(build_request(request, stream)?).map_err(|error| {
-        ProviderError::new(
-            ErrorCode::Internal,
-            format!("could not encode the request: {error}"),
-        )
-    })
+    serde_json::to_value(build_request(request, stream)?)
+        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
 }
 
-fn build_request(
-    request: &ChatRequest,
-    stream: bool,
-) -> Result<MessagesRequest<'_>, ProviderError> {
-    let budget = request
-        .reasoning
-        .as_ref()
-        .and_then(|reasoning| reasoning.budget_tokens);
-    let thinking = budget.map(|budget_tokens| ThinkingConfig {
-        kind: "enabled",
-        budget_tokens,
-    });
+fn build_request(request: &ChatRequest, stream: bool) -> Result<MessagesRequest<'_>, ProviderError> {
+    let budget = request.reasoning.as_ref().and_then(thinking_budget);
+    let thinking = budget.map(|budget_tokens| ThinkingConfig { kind: "enabled", budget_tokens });
     // `max_tokens` must exceed the thinking budget; when the caller left it
     // open, leave room for an answer after the thinking.
     let max_tokens = request.max_output_tokens.unwrap_or_else(|| match budget {
@@ -265,25 +242,33 @@ fn build_request(
     let tools = request
         .tools
         .iter()
-        .map(|tool| WireTool {
-            name: &tool.name,
-            description: &tool.description,
-            input_schema: &tool.parameters,
-        })
+        .map(|tool| WireTool { name: &tool.name, description: &tool.description, input_schema: &tool.parameters })
         .collect();
     Ok(MessagesRequest {
         model: &request.model,
         max_tokens,
-        system: request
-            .system
-            .as_deref()
-            .filter(|system| !system.is_empty()),
+        system: request.system.as_deref().filter(|system| !system.is_empty()),
         messages: build_messages(&request.messages)?,
         tools,
         temperature,
         thinking,
         stream,
     })
+}
+
+/// The thinking budget a request asks for. An effort without a budget (the
+/// OpenAI way of asking) still turns thinking on, with a budget of that
+/// size; Anthropic's minimum budget is 1024 tokens.
+fn thinking_budget(reasoning: &crate::Reasoning) -> Option<u32> {
+    if let Some(budget) = reasoning.budget_tokens {
+        return Some(budget);
+    }
+    let budget = match reasoning.effort.as_deref()? {
+        "minimal" | "low" => 1024,
+        "high" => 16384,
+        _ => 4096,
+    };
+    Some(budget)
 }
 
 /// Arbor's path as alternating turns. Consecutive messages of one side are
@@ -306,10 +291,7 @@ fn build_messages(messages: &[Message]) -> Result<Vec<WireMessage<'_>>, Provider
         }
         match turns.last_mut() {
             Some(last) if last.role == role => last.content.extend(blocks),
-            _ => turns.push(WireMessage {
-                role,
-                content: blocks,
-            }),
+            _ => turns.push(WireMessage { role, content: blocks }),
         }
     }
     Ok(turns)
@@ -320,16 +302,8 @@ fn user_blocks(message: &Message) -> Result<Vec<Block<'_>>, ProviderError> {
     // Images first: Anthropic documents that Claude does best with the
     // images before the question about them.
     for part in &message.parts {
-        if let Part::Image {
-            url,
-            data,
-            mime_type,
-            ..
-        } = part
-        {
-            blocks.push(Block::Image {
-                source: image_source(url.as_deref(), data.as_deref(), mime_type.as_deref())?,
-            });
+        if let Part::Image { url, data, mime_type, .. } = part {
+            blocks.push(Block::Image { source: image_source(url.as_deref(), data.as_deref(), mime_type.as_deref())? });
         }
     }
     // The API refuses empty text blocks.
@@ -385,21 +359,12 @@ pub(crate) fn sniff_image_type(base64: &str) -> &'static str {
 }
 
 fn tool_result_block(message: &Message) -> Result<Block<'_>, ProviderError> {
-    let tool_use_id = message.tool_call_id.as_deref().ok_or_else(|| {
-        ProviderError::new(
-            ErrorCode::InvalidRequest,
-            "a tool result message has no tool_call_id",
-        )
-    })?;
-    let is_error = matches!(
-        message.tool_status,
-        Some(ToolStatus::Error | ToolStatus::Cancelled | ToolStatus::Denied)
-    );
-    Ok(Block::ToolResult {
-        tool_use_id,
-        content: message.content.as_deref().filter(|text| !text.is_empty()),
-        is_error,
-    })
+    let tool_use_id = message
+        .tool_call_id
+        .as_deref()
+        .ok_or_else(|| ProviderError::new(ErrorCode::InvalidRequest, "a tool result message has no tool_call_id"))?;
+    let is_error = matches!(message.tool_status, Some(ToolStatus::Error | ToolStatus::Cancelled | ToolStatus::Denied));
+    Ok(Block::ToolResult { tool_use_id, content: message.content.as_deref().filter(|text| !text.is_empty()), is_error })
 }
 
 fn assistant_blocks(message: &Message) -> Vec<Block<'_>> {
@@ -409,13 +374,9 @@ fn assistant_blocks(message: &Message) -> Vec<Block<'_>> {
     // and unsigned reasoning (another provider's) means nothing to it.
     for part in &message.parts {
         match part {
-            Part::Thinking {
-                text,
-                signature: Some(signature),
-            } if signature.provider == KIND => blocks.push(Block::Thinking {
-                thinking: text,
-                signature: &signature.data,
-            }),
+            Part::Thinking { text, signature: Some(signature) } if signature.provider == KIND => {
+                blocks.push(Block::Thinking { thinking: text, signature: &signature.data })
+            }
             Part::RedactedThinking { data } if data.provider == KIND => {
                 blocks.push(Block::RedactedThinking { data: &data.data })
             }
@@ -426,11 +387,7 @@ fn assistant_blocks(message: &Message) -> Vec<Block<'_>> {
         blocks.push(Block::Text { text });
     }
     for call in &message.tool_calls {
-        blocks.push(Block::ToolUse {
-            id: &call.id,
-            name: &call.name,
-            input: &call.arguments,
-        });
+        blocks.push(Block::ToolUse { id: &call.id, name: &call.name, input: &call.arguments });
     }
     blocks
 }
@@ -453,12 +410,8 @@ impl WireUsage {
     fn update(&mut self, newer: &WireUsage) {
         self.input_tokens = newer.input_tokens.or(self.input_tokens);
         self.output_tokens = newer.output_tokens.or(self.output_tokens);
-        self.cache_creation_input_tokens = newer
-            .cache_creation_input_tokens
-            .or(self.cache_creation_input_tokens);
-        self.cache_read_input_tokens = newer
-            .cache_read_input_tokens
-            .or(self.cache_read_input_tokens);
+        self.cache_creation_input_tokens = newer.cache_creation_input_tokens.or(self.cache_creation_input_tokens);
+        self.cache_read_input_tokens = newer.cache_read_input_tokens.or(self.cache_read_input_tokens);
     }
 
     /// Anthropic counts cached and cache-written input apart from
@@ -595,53 +548,35 @@ fn finish_reason(stop_reason: &str) -> FinishReason {
 }
 
 fn signed(data: String) -> ProviderOpaque {
-    ProviderOpaque {
-        provider: KIND.into(),
-        data,
-    }
+    ProviderOpaque { provider: KIND.into(), data }
 }
 
 fn unreadable(what: &str, error: &serde_json::Error) -> ProviderError {
-    ProviderError::new(
-        ErrorCode::StreamInterrupted,
-        format!("the provider sent an unreadable {what}: {error}"),
-    )
+    ProviderError::new(ErrorCode::StreamInterrupted, format!("the provider sent an unreadable {what}: {error}"))
 }
 
 /// A non-streamed reply as the chunks a stream of it would have carried, so
 /// that `complete` and `stream` fold through the same [`Collected`].
 pub fn response_chunks(body: &[u8]) -> Result<Vec<Chunk>, ProviderError> {
-    let response: MessagesResponse =
-        serde_json::from_slice(body).map_err(|error| unreadable("response", &error))?;
+    let response: MessagesResponse = serde_json::from_slice(body).map_err(|error| unreadable("response", &error))?;
     let mut chunks = Vec::new();
     let mut calls = 0;
     for block in response.content {
         match block {
             ResponseBlock::Text { text } => chunks.push(Chunk::Text(text)),
-            ResponseBlock::Thinking {
-                thinking,
-                signature,
-            } => {
+            ResponseBlock::Thinking { thinking, signature } => {
                 chunks.push(Chunk::Thinking(thinking));
                 if !signature.is_empty() {
                     chunks.push(Chunk::ThinkingSignature(signed(signature)));
                 }
             }
-            ResponseBlock::RedactedThinking { data } => {
-                chunks.push(Chunk::RedactedThinking(signed(data)))
-            }
+            ResponseBlock::RedactedThinking { data } => chunks.push(Chunk::RedactedThinking(signed(data))),
             ResponseBlock::ToolUse { id, name, input } => {
                 let index = calls;
                 calls += 1;
                 chunks.push(Chunk::ToolCallStart { index, id, name });
-                chunks.push(Chunk::ToolCallArguments {
-                    index,
-                    fragment: arguments_text(&input),
-                });
-                chunks.push(Chunk::ToolCallEnd {
-                    index,
-                    signature: None,
-                });
+                chunks.push(Chunk::ToolCallArguments { index, fragment: arguments_text(&input) });
+                chunks.push(Chunk::ToolCallEnd { index, signature: None });
             }
             ResponseBlock::Other => {}
         }
@@ -698,15 +633,11 @@ impl StreamDecoder {
     /// The chunks one event's data carries. An `error` event becomes the
     /// error; so does data that is not a readable event.
     pub fn push(&mut self, data: &str) -> Result<Vec<Chunk>, ProviderError> {
-        let event: StreamEvent =
-            serde_json::from_str(data).map_err(|error| unreadable("stream event", &error))?;
+        let event: StreamEvent = serde_json::from_str(data).map_err(|error| unreadable("stream event", &error))?;
         let mut chunks = Vec::new();
         match event {
             StreamEvent::MessageStart { message } => self.usage.update(&message.usage),
-            StreamEvent::ContentBlockStart {
-                index,
-                content_block,
-            } => {
+            StreamEvent::ContentBlockStart { index, content_block } => {
                 let block = match content_block {
                     ResponseBlock::Text { text } => {
                         if !text.is_empty() {
@@ -714,10 +645,7 @@ impl StreamDecoder {
                         }
                         OpenBlock::Text
                     }
-                    ResponseBlock::Thinking {
-                        thinking,
-                        signature,
-                    } => {
+                    ResponseBlock::Thinking { thinking, signature } => {
                         if !thinking.is_empty() {
                             chunks.push(Chunk::Thinking(thinking));
                         }
@@ -730,16 +658,8 @@ impl StreamDecoder {
                     ResponseBlock::ToolUse { id, name, input } => {
                         let call = self.calls;
                         self.calls += 1;
-                        chunks.push(Chunk::ToolCallStart {
-                            index: call,
-                            id,
-                            name,
-                        });
-                        OpenBlock::ToolUse {
-                            call,
-                            initial_input: input,
-                            streamed: false,
-                        }
+                        chunks.push(Chunk::ToolCallStart { index: call, id, name });
+                        OpenBlock::ToolUse { call, initial_input: input, streamed: false }
                     }
                     ResponseBlock::Other => OpenBlock::Ignored,
                 };
@@ -747,30 +667,19 @@ impl StreamDecoder {
             }
             StreamEvent::ContentBlockDelta { index, delta } => {
                 match (self.blocks.get_mut(&index), delta) {
-                    (Some(OpenBlock::Text), Delta::Text { text }) if !text.is_empty() => {
-                        chunks.push(Chunk::Text(text))
-                    }
-                    (Some(OpenBlock::Thinking { .. }), Delta::Thinking { thinking })
-                        if !thinking.is_empty() =>
-                    {
+                    (Some(OpenBlock::Text), Delta::Text { text }) if !text.is_empty() => chunks.push(Chunk::Text(text)),
+                    (Some(OpenBlock::Thinking { .. }), Delta::Thinking { thinking }) if !thinking.is_empty() => {
                         chunks.push(Chunk::Thinking(thinking))
                     }
-                    (
-                        Some(OpenBlock::Thinking { signature }),
-                        Delta::Signature { signature: more },
-                    ) => signature.push_str(&more),
-                    (
-                        Some(OpenBlock::ToolUse { call, streamed, .. }),
-                        Delta::InputJson { partial_json },
-                    ) => {
+                    (Some(OpenBlock::Thinking { signature }), Delta::Signature { signature: more }) => {
+                        signature.push_str(&more)
+                    }
+                    (Some(OpenBlock::ToolUse { call, streamed, .. }), Delta::InputJson { partial_json }) => {
                         *streamed = true;
                         // An empty fragment is how a parameterless call says
                         // "no input"; the fold reads no text as `{}`.
                         if !partial_json.is_empty() {
-                            chunks.push(Chunk::ToolCallArguments {
-                                index: *call,
-                                fragment: partial_json,
-                            });
+                            chunks.push(Chunk::ToolCallArguments { index: *call, fragment: partial_json });
                         }
                     }
                     // Deltas of ignored blocks (a server tool's input) and
@@ -782,22 +691,12 @@ impl StreamDecoder {
                 Some(OpenBlock::Thinking { signature }) if !signature.is_empty() => {
                     chunks.push(Chunk::ThinkingSignature(signed(signature)))
                 }
-                Some(OpenBlock::ToolUse {
-                    call,
-                    initial_input,
-                    streamed,
-                }) => {
+                Some(OpenBlock::ToolUse { call, initial_input, streamed }) => {
                     let given = matches!(&initial_input, Value::Object(map) if !map.is_empty());
                     if !streamed && given {
-                        chunks.push(Chunk::ToolCallArguments {
-                            index: call,
-                            fragment: initial_input.to_string(),
-                        });
+                        chunks.push(Chunk::ToolCallArguments { index: call, fragment: initial_input.to_string() });
                     }
-                    chunks.push(Chunk::ToolCallEnd {
-                        index: call,
-                        signature: None,
-                    });
+                    chunks.push(Chunk::ToolCallEnd { index: call, signature: None });
                 }
                 _ => {}
             },
@@ -823,10 +722,7 @@ impl StreamDecoder {
         if self.stopped {
             Ok(Vec::new())
         } else {
-            Err(ProviderError::new(
-                ErrorCode::StreamInterrupted,
-                "the provider's stream ended before message_stop",
-            ))
+            Err(ProviderError::new(ErrorCode::StreamInterrupted, "the provider's stream ended before message_stop"))
         }
     }
 }
@@ -852,11 +748,7 @@ where
         decoder: Option<StreamDecoder>,
         ready: VecDeque<Result<Chunk, ProviderError>>,
     }
-    let state = State {
-        events: Box::pin(events),
-        decoder: Some(StreamDecoder::new()),
-        ready: VecDeque::new(),
-    };
+    let state = State { events: Box::pin(events), decoder: Some(StreamDecoder::new()), ready: VecDeque::new() };
     Box::pin(stream::unfold(state, |mut state| async move {
         loop {
             if let Some(item) = state.ready.pop_front() {
@@ -895,16 +787,9 @@ where
 pub fn error_from_response(response: &ErrorResponse) -> ProviderError {
     let error = match serde_json::from_str::<ErrorBody>(&response.body) {
         Ok(body) => map_error(Some(response.status), body.error),
-        Err(_) => ProviderError::new(
-            crate::http::status_code(response.status),
-            response.fallback_message(),
-        ),
+        Err(_) => ProviderError::new(crate::http::status_code(response.status), response.fallback_message()),
     };
-    ProviderError {
-        status: Some(response.status),
-        retry_after: crate::http::retry_after(&response.headers),
-        ..error
-    }
+    ProviderError { status: Some(response.status), retry_after: crate::http::retry_after(&response.headers), ..error }
 }
 
 /// An Anthropic error object (from a body or an in-stream `error` event).
@@ -926,18 +811,12 @@ fn map_error(status: Option<u16>, error: WireError) -> ProviderError {
         "timeout_error" => ErrorCode::Timeout,
         _ => status.map_or(ErrorCode::ProviderUnavailable, crate::http::status_code),
     };
-    let message = if error.message.is_empty() {
-        error.kind
-    } else {
-        error.message
-    };
+    let message = if error.message.is_empty() { error.kind } else { error.message };
     ProviderError::new(code, message)
 }
 
 fn spend_limit_reached(details: Option<&Value>) -> bool {
-    details
-        .and_then(|details| details.get("error_code"))
-        .and_then(Value::as_str)
+    details.and_then(|details| details.get("error_code")).and_then(Value::as_str)
         == Some("enforced_spend_limit_reached")
 }
 
@@ -949,10 +828,7 @@ mod tests {
 
     #[test]
     fn data_urls_split_into_type_and_base64() {
-        assert_eq!(
-            parse_data_url("data:image/png;base64,iVBORw0"),
-            Some(("image/png", "iVBORw0"))
-        );
+        assert_eq!(parse_data_url("data:image/png;base64,iVBORw0"), Some(("image/png", "iVBORw0")));
         assert_eq!(parse_data_url("https://example.com/a.png"), None);
         assert_eq!(parse_data_url("data:text/plain,hello"), None);
     }
@@ -963,23 +839,20 @@ mod tests {
             model: "claude-sonnet-4-5".into(),
             messages: vec![Message::user("hi")],
             temperature: Some(0.3),
-            reasoning: Some(crate::Reasoning {
-                effort: None,
-                budget_tokens: Some(8000),
-            }),
+            reasoning: Some(crate::Reasoning { effort: None, budget_tokens: Some(8000) }),
             ..ChatRequest::default()
         };
         let body = request_body(&request, true).expect("builds");
         assert_eq!(body["max_tokens"], 12096);
-        assert_eq!(
-            body["thinking"],
-            json!({"type": "enabled", "budget_tokens": 8000})
-        );
+        assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 8000}));
         assert!(body.get("temperature").is_none());
-        let plain = ChatRequest {
-            reasoning: None,
-            ..request
+        let effort = ChatRequest {
+            reasoning: Some(crate::Reasoning { effort: Some("high".into()), budget_tokens: None }),
+            ..request.clone()
         };
+        let body = request_body(&effort, true).expect("builds");
+        assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 16384}));
+        let plain = ChatRequest { reasoning: None, ..request };
         let body = request_body(&plain, false).expect("builds");
         assert_eq!(body["max_tokens"], DEFAULT_MAX_TOKENS);
         assert!(body["temperature"].as_f64().is_some());
@@ -988,18 +861,8 @@ mod tests {
 
     #[test]
     fn tool_results_merge_into_one_user_turn_with_errors_flagged() {
-        let first = ToolCall {
-            id: "toolu_1".into(),
-            name: "add".into(),
-            arguments: json!({"a": 1}),
-            signature: None,
-        };
-        let second = ToolCall {
-            id: "toolu_2".into(),
-            name: "add".into(),
-            arguments: json!({}),
-            signature: None,
-        };
+        let first = ToolCall { id: "toolu_1".into(), name: "add".into(), arguments: json!({"a": 1}), signature: None };
+        let second = ToolCall { id: "toolu_2".into(), name: "add".into(), arguments: json!({}), signature: None };
         let mut assistant = Message::assistant("");
         assistant.content = None;
         assistant.tool_calls = vec![first.clone(), second.clone()];

@@ -18,10 +18,7 @@ use axum::response::Response;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
-const RECORDED: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/providers/anthropic"
-);
+const RECORDED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers/anthropic");
 const WRITTEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/anthropic");
 
 fn read(dir: &str, name: &str) -> Vec<u8> {
@@ -37,19 +34,11 @@ struct Reply {
 
 impl Reply {
     fn sse(body: Vec<u8>) -> Reply {
-        Reply {
-            status: 200,
-            headers: vec![("content-type", "text/event-stream; charset=utf-8".into())],
-            body,
-        }
+        Reply { status: 200, headers: vec![("content-type", "text/event-stream; charset=utf-8".into())], body }
     }
 
     fn json(status: u16, body: Vec<u8>) -> Reply {
-        Reply {
-            status,
-            headers: vec![("content-type", "application/json".into())],
-            body,
-        }
+        Reply { status, headers: vec![("content-type", "application/json".into())], body }
     }
 }
 
@@ -86,29 +75,20 @@ async fn answer(
     };
     // Send the body in several pieces, as a network would, so that the
     // client really decodes a stream.
-    let pieces: Vec<Result<Bytes, std::io::Error>> = reply
-        .body
-        .chunks(reply.body.len().div_ceil(7).max(1))
-        .map(|piece| Ok(Bytes::copy_from_slice(piece)))
-        .collect();
+    let pieces: Vec<Result<Bytes, std::io::Error>> =
+        reply.body.chunks(reply.body.len().div_ceil(7).max(1)).map(|piece| Ok(Bytes::copy_from_slice(piece))).collect();
     let mut response = Response::builder().status(reply.status);
     for (name, value) in reply.headers {
         response = response.header(name, value);
     }
-    response
-        .body(Body::from_stream(futures_util::stream::iter(pieces)))
-        .expect("response")
+    response.body(Body::from_stream(futures_util::stream::iter(pieces))).expect("response")
 }
 
 async fn start(replies: Vec<Reply>) -> (Mock, AnthropicProvider) {
     let mock = Mock::default();
     mock.replies.lock().expect("lock").extend(replies);
-    let router = axum::Router::new()
-        .fallback(answer)
-        .with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let router = axum::Router::new().fallback(answer).with_state(mock.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     tokio::spawn(async move {
         axum::serve(listener, router).await.expect("serve");
@@ -116,10 +96,7 @@ async fn start(replies: Vec<Reply>) -> (Mock, AnthropicProvider) {
     let provider = AnthropicProvider::new(AnthropicConfig {
         base_url: format!("http://{address}/"),
         api_key: Some("sk-ant-test".into()),
-        timeouts: HttpTimeouts {
-            connect: Duration::from_secs(2),
-            read_idle: Duration::from_secs(5),
-        },
+        timeouts: HttpTimeouts { connect: Duration::from_secs(2), read_idle: Duration::from_secs(5) },
         ..AnthropicConfig::default()
     })
     .expect("provider");
@@ -128,33 +105,22 @@ async fn start(replies: Vec<Reply>) -> (Mock, AnthropicProvider) {
 
 /// Every case must end on its own; a hang is a failure, not a stuck CI.
 async fn within<T>(future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(20), future)
-        .await
-        .expect("finished within its deadline")
+    tokio::time::timeout(Duration::from_secs(20), future).await.expect("finished within its deadline")
 }
 
 #[tokio::test]
 async fn streams_with_the_right_url_headers_and_body() {
     within(async {
-        let (mock, provider) = start(vec![Reply::sse(read(
-            RECORDED,
-            "stream-thinking.response.sse",
-        ))])
-        .await;
+        let (mock, provider) = start(vec![Reply::sse(read(RECORDED, "stream-thinking.response.sse"))]).await;
         assert_eq!(provider.kind(), "anthropic");
         let request = ChatRequest {
             model: "claude-haiku-4-5".into(),
             system: Some("Be brief.".into()),
             messages: vec![Message::user("Two names for a pet pelican")],
-            reasoning: Some(Reasoning {
-                effort: None,
-                budget_tokens: Some(1024),
-            }),
+            reasoning: Some(Reasoning { effort: None, budget_tokens: Some(1024) }),
             ..ChatRequest::default()
         };
-        let reply = collect_stream(provider.stream(request).await.expect("starts"))
-            .await
-            .expect("streams");
+        let reply = collect_stream(provider.stream(request).await.expect("starts")).await.expect("streams");
         assert!(reply.text.starts_with("1. **Pouch**"));
         assert!(matches!(
             &reply.parts[..],
@@ -171,10 +137,7 @@ async fn streams_with_the_right_url_headers_and_body() {
         assert_eq!(call.body["stream"], true);
         assert_eq!(call.body["system"], "Be brief.");
         assert_eq!(call.body["model"], "claude-haiku-4-5");
-        assert_eq!(
-            call.body["thinking"],
-            json!({"type": "enabled", "budget_tokens": 1024})
-        );
+        assert_eq!(call.body["thinking"], json!({"type": "enabled", "budget_tokens": 1024}));
     })
     .await;
 }
@@ -182,11 +145,8 @@ async fn streams_with_the_right_url_headers_and_body() {
 #[tokio::test]
 async fn complete_reads_a_non_streamed_reply() {
     within(async {
-        let (mock, provider) = start(vec![Reply::json(
-            200,
-            read(RECORDED, "messages-tool-use-parallel.response.json"),
-        )])
-        .await;
+        let (mock, provider) =
+            start(vec![Reply::json(200, read(RECORDED, "messages-tool-use-parallel.response.json"))]).await;
         let reply = provider
             .complete(ChatRequest {
                 model: "claude-haiku-4-5".into(),
@@ -205,8 +165,7 @@ async fn complete_reads_a_non_streamed_reply() {
 /// Round one of a tool loop: the recorded thinking block (with its real
 /// signature) followed by a `tool_use` block, as Claude streams it.
 fn thinking_then_tool_use() -> (Vec<u8>, String) {
-    let recorded =
-        String::from_utf8(read(RECORDED, "stream-thinking.response.sse")).expect("utf-8");
+    let recorded = String::from_utf8(read(RECORDED, "stream-thinking.response.sse")).expect("utf-8");
     // Keep the events up to the thinking block's content_block_stop.
     let end = recorded
         .find("event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1")
@@ -300,24 +259,16 @@ async fn a_tool_loop_with_thinking_sends_the_signed_block_back_unchanged() {
 #[tokio::test]
 async fn status_529_is_overloaded_and_429_carries_retry_after() {
     within(async {
-        let mut rate_limited =
-            Reply::json(429, read(WRITTEN, "error-429-rate-limit.response.json"));
+        let mut rate_limited = Reply::json(429, read(WRITTEN, "error-429-rate-limit.response.json"));
         rate_limited.headers.push(("retry-after", "20".into()));
-        let (_mock, provider) = start(vec![
-            Reply::json(529, read(WRITTEN, "error-529-overloaded.response.json")),
-            rate_limited,
-        ])
-        .await;
+        let (_mock, provider) =
+            start(vec![Reply::json(529, read(WRITTEN, "error-529-overloaded.response.json")), rate_limited]).await;
         let request = ChatRequest {
             model: "claude-haiku-4-5".into(),
             messages: vec![Message::user("hi")],
             ..ChatRequest::default()
         };
-        let error = provider
-            .stream(request.clone())
-            .await
-            .err()
-            .expect("529 fails before the stream");
+        let error = provider.stream(request.clone()).await.err().expect("529 fails before the stream");
         assert_eq!(error.code, ErrorCode::Overloaded);
         assert_eq!(error.status, Some(529));
         assert_eq!(error.message, "Overloaded");
@@ -331,11 +282,7 @@ async fn status_529_is_overloaded_and_429_carries_retry_after() {
 #[tokio::test]
 async fn an_error_event_inside_a_200_stream_ends_it_with_the_code() {
     within(async {
-        let (_mock, provider) = start(vec![Reply::sse(read(
-            WRITTEN,
-            "stream-error-overloaded.response.sse",
-        ))])
-        .await;
+        let (_mock, provider) = start(vec![Reply::sse(read(WRITTEN, "stream-error-overloaded.response.sse"))]).await;
         let mut stream = provider
             .stream(ChatRequest {
                 model: "claude-haiku-4-5".into(),
@@ -350,10 +297,7 @@ async fn an_error_event_inside_a_200_stream_ends_it_with_the_code() {
         }
         assert_eq!(items.len(), 2);
         assert!(items[0].is_ok());
-        assert_eq!(
-            items[1].as_ref().map_err(|error| error.code).err(),
-            Some(ErrorCode::Overloaded)
-        );
+        assert_eq!(items[1].as_ref().map_err(|error| error.code).err(), Some(ErrorCode::Overloaded));
     })
     .await;
 }
