@@ -67,7 +67,11 @@ where
         return;
     };
     let database = format!("arbor_test_{}", uuid::Uuid::now_v7().simple());
-    let admin = sqlx::PgPool::connect(&server_url).await.expect("connect to ARBOR_TEST_POSTGRES_URL");
+    // Administer through the `postgres` database, which every server has,
+    // so the URL's own database need not exist.
+    let admin = sqlx::PgPool::connect(&with_database(&server_url, "postgres"))
+        .await
+        .expect("connect to the server of ARBOR_TEST_POSTGRES_URL");
     // The name is made above from a uuid, not from user input.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
         .execute(&admin)
