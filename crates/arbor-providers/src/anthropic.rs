@@ -225,7 +225,8 @@ pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, Provid
 }
 
 fn build_request(request: &ChatRequest, stream: bool) -> Result<MessagesRequest<'_>, ProviderError> {
-    let budget = request.reasoning.as_ref().and_then(thinking_budget);
+    let budget =
+        request.reasoning.as_ref().and_then(thinking_budget).filter(|_| !unsigned_tool_loop(&request.messages));
     let thinking = budget.map(|budget_tokens| ThinkingConfig { kind: "enabled", budget_tokens });
     // `max_tokens` must exceed the thinking budget; when the caller left it
     // open, leave room for an answer after the thinking.
@@ -269,6 +270,25 @@ fn thinking_budget(reasoning: &crate::Reasoning) -> Option<u32> {
         _ => 4096,
     };
     Some(budget)
+}
+
+/// Whether the tool loop in progress (the assistant message after the last
+/// user message) called tools without a thinking block Claude signed: a
+/// conversation that moved to Claude mid-loop. With thinking on, the API
+/// refuses such a history ("a final assistant message must start with a
+/// thinking block"), so this one call goes without thinking; the next user
+/// message starts a fresh loop where thinking is on again.
+fn unsigned_tool_loop(messages: &[Message]) -> bool {
+    let current = messages.iter().rposition(|message| message.role == Role::User).map_or(0, |last| last + 1);
+    let Some(last_assistant) = messages[current..].iter().rev().find(|message| message.role == Role::Assistant) else {
+        return false;
+    };
+    let signed = last_assistant.parts.iter().any(|part| match part {
+        Part::Thinking { signature: Some(signature), .. } => signature.provider == KIND,
+        Part::RedactedThinking { data } => data.provider == KIND,
+        _ => false,
+    });
+    !last_assistant.tool_calls.is_empty() && !signed
 }
 
 /// Arbor's path as alternating turns. Consecutive messages of one side are

@@ -276,7 +276,7 @@ fn build_request(request: &ChatRequest) -> Result<GenerateContentRequest<'_>, Pr
         })
         .collect();
     Ok(GenerateContentRequest {
-        contents: build_contents(&request.messages)?,
+        contents: build_contents(&request.messages, &request.model)?,
         system_instruction: request
             .system
             .as_deref()
@@ -303,7 +303,7 @@ enum TurnKind {
 /// a turn (all results of one round of calls must answer it together), but
 /// function responses keep a turn of their own, apart from user text, as
 /// Gemini's own clients send them.
-fn build_contents(messages: &[Message]) -> Result<Vec<Content<'_>>, ProviderError> {
+fn build_contents<'a>(messages: &'a [Message], model: &str) -> Result<Vec<Content<'a>>, ProviderError> {
     // Gemini matches a response to its call by name, so a tool result
     // without a name borrows its call's.
     let mut call_names: HashMap<&str, &str> = HashMap::new();
@@ -330,7 +330,38 @@ fn build_contents(messages: &[Message]) -> Result<Vec<Content<'_>>, ProviderErro
             }
         }
     }
+    if validates_signatures(model) {
+        sign_foreign_calls_of_current_turn(&mut turns);
+    }
     Ok(turns.into_iter().map(|(_, content)| content).collect())
+}
+
+/// The placeholder Google documents for function calls Gemini did not make
+/// (a history from another provider, or calls injected by the client).
+pub const FOREIGN_CALL_SIGNATURE: &str = "context_engineering_is_the_way_to_go";
+
+/// Gemini 3 and later refuse a request whose current turn has a function
+/// call without a thought signature; earlier models do not check.
+fn validates_signatures(model: &str) -> bool {
+    !(model.contains("gemini-1") || model.contains("gemini-2"))
+}
+
+/// A conversation that moved to Gemini in the middle of a tool loop carries
+/// calls another provider made, with no signature. Only the current turn
+/// (after the last user message) is checked, and only the first call of each
+/// step, so only those get the placeholder.
+fn sign_foreign_calls_of_current_turn(turns: &mut [(TurnKind, Content<'_>)]) {
+    let current = turns.iter().rposition(|(kind, _)| *kind == TurnKind::User).map_or(0, |last| last + 1);
+    for (kind, content) in &mut turns[current..] {
+        if *kind != TurnKind::Model {
+            continue;
+        }
+        if let Some(first_call) = content.parts.iter_mut().find(|part| part.function_call.is_some())
+            && first_call.thought_signature.is_none()
+        {
+            first_call.thought_signature = Some(FOREIGN_CALL_SIGNATURE);
+        }
+    }
 }
 
 fn user_parts(message: &Message) -> Vec<WirePart<'_>> {

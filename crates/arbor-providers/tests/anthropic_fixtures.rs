@@ -705,6 +705,15 @@ fn thinking_from_other_providers_is_dropped_cleanly() {
             {"type": "tool_result", "tool_use_id": "call_1", "content": "lookup failed: timeout", "is_error": true}
         ]})
     );
+    // Claude refuses a tool loop, with thinking on, whose last assistant turn
+    // has no Claude thinking block; this call goes without thinking...
+    assert_eq!(body.get("thinking"), None);
+    // ...and the next user message starts a loop where thinking is on again.
+    let mut next = request.clone();
+    next.messages.push(Message::assistant("The lookup failed."));
+    next.messages.push(user_text("try again"));
+    let body = anthropic::request_body(&next, true).expect("builds");
+    assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 2048}));
 }
 
 // ---------------------------------------------------------------------------

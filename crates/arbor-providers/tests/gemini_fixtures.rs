@@ -890,6 +890,41 @@ fn a_gemini_history_goes_to_anthropic_without_gemini_signatures() {
 }
 
 #[test]
+fn a_tool_loop_moved_to_gemini_3_gets_the_documented_placeholder_signature() {
+    // Round one came from Claude (recorded): a tool call with no Gemini
+    // signature. The conversation moves to Gemini in the middle of the loop.
+    let (_, reply) = {
+        let body = read(RECORDED_ANTHROPIC, "stream-tool-use-with-args.response.sse");
+        let items: Vec<_> = anthropic::decode_body(byte_chunks(&body, &[])).collect().now_or_never().expect("ready");
+        let chunks: Vec<Chunk> = items.into_iter().map(|item| item.expect("clean")).collect();
+        let reply = fold(&chunks);
+        (chunks, reply)
+    };
+    let call = reply.tool_calls[0].clone();
+    let history = vec![
+        Message::user("What is the weather in San Francisco, CA?"),
+        reply.message(),
+        Message::tool_result(&call, ToolStatus::Success, r#"{"forecast": "fog"}"#),
+    ];
+    let body = gemini::request_body(&chat("gemini-3-pro-preview", None, history.clone())).expect("builds");
+    let parts = &body["contents"][1]["parts"];
+    assert_eq!(parts[0]["text"], reply.text.as_str(), "Claude's text, no signature");
+    assert!(parts[0].get("thoughtSignature").is_none());
+    assert_eq!(parts[1]["functionCall"]["name"], "get_weather");
+    assert_eq!(parts[1]["thoughtSignature"], gemini::FOREIGN_CALL_SIGNATURE);
+    // Earlier models do not check signatures and get none.
+    let body = gemini::request_body(&chat("gemini-2.5-flash", None, history.clone())).expect("builds");
+    assert!(body["contents"][1]["parts"][1].get("thoughtSignature").is_none());
+    // Once a new user message starts a turn, the old calls are history and
+    // are not validated: no placeholder.
+    let mut later = history;
+    later.push(Message::assistant("Foggy."));
+    later.push(Message::user("and tomorrow?"));
+    let body = gemini::request_body(&chat("gemini-3-pro-preview", None, later)).expect("builds");
+    assert!(!body.to_string().contains(gemini::FOREIGN_CALL_SIGNATURE));
+}
+
+#[test]
 fn an_anthropic_history_goes_to_gemini_without_thinking_blocks() {
     // Round one of a recorded Anthropic conversation with signed thinking
     // and one with redacted thinking.
