@@ -63,11 +63,13 @@ impl Cost {
     pub fn cents_usd(self) -> f64 {
         self.micro_usd as f64 / 10_000.0
     }
+}
 
-    pub fn add(self, other: Cost) -> Cost {
-        Cost {
-            micro_usd: self.micro_usd.saturating_add(other.micro_usd),
-        }
+impl std::ops::Add for Cost {
+    type Output = Cost;
+
+    fn add(self, other: Cost) -> Cost {
+        Cost { micro_usd: self.micro_usd.saturating_add(other.micro_usd) }
     }
 }
 
@@ -88,9 +90,7 @@ impl Prices {
             + u128::from(plain_output) * u128::from(self.output)
             + u128::from(thinking) * u128::from(self.thinking.unwrap_or(self.output));
         let micro_usd = per_million.div_ceil(1_000_000);
-        Cost {
-            micro_usd: u64::try_from(micro_usd).unwrap_or(u64::MAX),
-        }
+        Cost { micro_usd: u64::try_from(micro_usd).unwrap_or(u64::MAX) }
     }
 }
 
@@ -113,12 +113,7 @@ mod tests {
     fn cost_of_the_seed_example() {
         // done {input 1200, output 350, cached 800} at gpt-4o prices:
         // 400 × 2.5 + 800 × 1.25 + 350 × 10 = 1000 + 1000 + 3500 = 5500 µ$.
-        let usage = Usage {
-            input_tokens: 1200,
-            output_tokens: 350,
-            cached_tokens: 800,
-            ..Usage::default()
-        };
+        let usage = Usage { input_tokens: 1200, output_tokens: 350, cached_tokens: 800, ..Usage::default() };
         let cost = gpt_4o().cost(&usage);
         assert_eq!(cost.micro_usd, 5500);
         assert_eq!(cost.credits(), 5500);
@@ -127,15 +122,8 @@ mod tests {
 
     #[test]
     fn fractions_of_a_micro_dollar_round_up() {
-        let one_token = Usage {
-            input_tokens: 1,
-            ..Usage::default()
-        };
-        assert_eq!(
-            gpt_4o().cost(&one_token).micro_usd,
-            3,
-            "2.5 µ$ rounds up to 3"
-        );
+        let one_token = Usage { input_tokens: 1, ..Usage::default() };
+        assert_eq!(gpt_4o().cost(&one_token).micro_usd, 3, "2.5 µ$ rounds up to 3");
         assert_eq!(gpt_4o().cost(&Usage::default()).micro_usd, 0);
     }
 
@@ -174,11 +162,7 @@ mod tests {
 
     #[test]
     fn huge_usage_saturates_instead_of_wrapping() {
-        let usage = Usage {
-            input_tokens: u64::MAX,
-            output_tokens: u64::MAX,
-            ..Usage::default()
-        };
+        let usage = Usage { input_tokens: u64::MAX, output_tokens: u64::MAX, ..Usage::default() };
         assert!(gpt_4o().cost(&usage).micro_usd > 0);
     }
 }

@@ -79,12 +79,7 @@ pub struct ProviderError {
 
 impl ProviderError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ProviderError {
-        ProviderError {
-            code,
-            message: message.into(),
-            retry_after: None,
-            status: None,
-        }
+        ProviderError { code, message: message.into(), retry_after: None, status: None }
     }
 
     pub fn with_status(mut self, status: u16) -> ProviderError {

@@ -65,9 +65,7 @@ impl EventName {
     }
 
     pub fn parse(text: &str) -> Option<EventName> {
-        EventName::ALL
-            .into_iter()
-            .find(|name| name.as_str() == text)
+        EventName::ALL.into_iter().find(|name| name.as_str() == text)
     }
 
     /// Whether a `done` or `error` ends the turn's stream.
@@ -102,10 +100,7 @@ impl Visibility {
         match self {
             Visibility::Full => true,
             Visibility::Compact => name != EventName::TraceDelta,
-            Visibility::Minimal => !matches!(
-                name,
-                EventName::TraceStart | EventName::TraceDelta | EventName::TraceEnd
-            ),
+            Visibility::Minimal => !matches!(name, EventName::TraceStart | EventName::TraceDelta | EventName::TraceEnd),
         }
     }
 }
@@ -142,6 +137,8 @@ pub struct DonePayload {
     pub latency_ms: u64,
     pub cost_credits: i64,
     pub cost_cents_usd: f64,
+    /// The conversation's head version once the reply is the head.
+    pub head_version: i64,
 }
 
 /// Payload of `error`: the turn ended without a (complete) answer.

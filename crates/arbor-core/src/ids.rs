@@ -21,10 +21,7 @@ pub fn rfc3339(millis: Millis) -> String {
     let nanos = i128::from(millis) * 1_000_000;
     OffsetDateTime::from_unix_timestamp_nanos(nanos)
         .ok()
-        .and_then(|t| {
-            t.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
         .unwrap_or_default()
 }
 

@@ -159,11 +159,7 @@ impl Message {
     /// Characters a model reads in this message, for token estimation.
     pub fn char_len(&self) -> usize {
         let text = self.content.as_deref().map_or(0, str::len);
-        let calls: usize = self
-            .tool_calls
-            .iter()
-            .map(|call| call.name.len() + call.arguments.to_string().len())
-            .sum();
+        let calls: usize = self.tool_calls.iter().map(|call| call.name.len() + call.arguments.to_string().len()).sum();
         let parts: usize = self
             .parts
             .iter()
@@ -261,17 +257,9 @@ mod tests {
             parts: vec![
                 Part::Thinking {
                     text: "let me add".into(),
-                    signature: Some(ProviderOpaque {
-                        provider: "anthropic".into(),
-                        data: "EqQBCkYI==".into(),
-                    }),
+                    signature: Some(ProviderOpaque { provider: "anthropic".into(), data: "EqQBCkYI==".into() }),
                 },
-                Part::RedactedThinking {
-                    data: ProviderOpaque {
-                        provider: "anthropic".into(),
-                        data: "opaque".into(),
-                    },
-                },
+                Part::RedactedThinking { data: ProviderOpaque { provider: "anthropic".into(), data: "opaque".into() } },
                 Part::Image {
                     media_id: Some("m1".into()),
                     url: None,
@@ -283,10 +271,7 @@ mod tests {
                 id: "c1".into(),
                 name: "add".into(),
                 arguments: json!({"a": 1}),
-                signature: Some(ProviderOpaque {
-                    provider: "gemini".into(),
-                    data: "sig".into(),
-                }),
+                signature: Some(ProviderOpaque { provider: "gemini".into(), data: "sig".into() }),
             }],
             tool_call_id: None,
             tool_name: None,

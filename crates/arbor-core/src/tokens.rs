@@ -11,10 +11,7 @@ pub fn estimate_from_chars(chars: usize) -> u64 {
 /// Estimated input tokens for a list of messages (plus a small per-message
 /// overhead for the role and framing each provider adds).
 pub fn estimate_messages(messages: &[Message]) -> u64 {
-    messages
-        .iter()
-        .map(|message| 4 + estimate_from_chars(message.char_len()))
-        .sum()
+    messages.iter().map(|message| 4 + estimate_from_chars(message.char_len())).sum()
 }
 
 #[cfg(test)]

@@ -17,11 +17,7 @@ pub struct Tree {
 
 impl Tree {
     pub fn new(nodes: Vec<Node>) -> Tree {
-        let by_id = nodes
-            .iter()
-            .enumerate()
-            .map(|(index, node)| (node.id.clone(), index))
-            .collect();
+        let by_id = nodes.iter().enumerate().map(|(index, node)| (node.id.clone(), index)).collect();
         Tree { nodes, by_id }
     }
 
@@ -43,11 +39,7 @@ impl Tree {
 
     /// The ids of a node's children, in creation order.
     pub fn children(&self, id: &str) -> Vec<&str> {
-        self.nodes
-            .iter()
-            .filter(|node| node.parent_id.as_deref() == Some(id))
-            .map(|node| node.id.as_str())
-            .collect()
+        self.nodes.iter().filter(|node| node.parent_id.as_deref() == Some(id)).map(|node| node.id.as_str()).collect()
     }
 
     /// The path from the root to `leaf` (inclusive), oldest first. Empty when
@@ -61,10 +53,7 @@ impl Tree {
                 break;
             }
             path.push(node);
-            current = node
-                .parent_id
-                .as_deref()
-                .and_then(|parent| self.get(parent));
+            current = node.parent_id.as_deref().and_then(|parent| self.get(parent));
         }
         path.reverse();
         path
@@ -97,7 +86,9 @@ pub enum MergePlan {
 pub enum MergeError {
     #[error("the view has no messages")]
     EmptyView,
-    #[error("message {id:?} is in the tree under {actual:?}, but the view puts it under {expected:?}; send the path from the first message")]
+    #[error(
+        "message {id:?} is in the tree under {actual:?}, but the view puts it under {expected:?}; send the path from the first message"
+    )]
     NotOnPath { id: String, expected: Option<String>, actual: Option<String> },
     #[error("message id {id:?} is already used elsewhere in this conversation; give the new message a new id or none")]
     IdTaken { id: String },
@@ -118,7 +109,11 @@ pub fn merge_view(tree: &Tree, view: &[ViewMessage]) -> Result<MergePlan, MergeE
     let mut index = 0;
     while let Some(node) = view.get(index).and_then(|message| message.id.as_deref()).and_then(|id| tree.get(id)) {
         if node.parent_id != last_match {
-            return Err(MergeError::NotOnPath { id: node.id.clone(), expected: last_match, actual: node.parent_id.clone() });
+            return Err(MergeError::NotOnPath {
+                id: node.id.clone(),
+                expected: last_match,
+                actual: node.parent_id.clone(),
+            });
         }
         last_match = Some(node.id.clone());
         index += 1;
@@ -164,18 +159,9 @@ mod tests {
     #[test]
     fn path_runs_from_root_to_the_leaf_and_ignores_other_branches() {
         // u1 → a1 → u2, and an edit e1 under u1.
-        let tree = Tree::new(vec![
-            node("u1", None),
-            node("a1", Some("u1")),
-            node("u2", Some("a1")),
-            node("e1", Some("u1")),
-        ]);
-        let ids = |leaf| {
-            tree.path_to(leaf)
-                .iter()
-                .map(|node| node.id.clone())
-                .collect::<Vec<_>>()
-        };
+        let tree =
+            Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1")), node("e1", Some("u1"))]);
+        let ids = |leaf| tree.path_to(leaf).iter().map(|node| node.id.clone()).collect::<Vec<_>>();
         assert_eq!(ids("u2"), ["u1", "a1", "u2"]);
         assert_eq!(ids("e1"), ["u1", "e1"]);
         assert!(ids("missing").is_empty());
@@ -193,7 +179,8 @@ mod tests {
     fn seed_example_editing_the_first_question_branches_under_it() {
         // u1 → a1 → u2; the client edits back to the first question.
         let tree = Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1"))]);
-        let plan = merge_view(&tree, &view(&[(Some("u1"), "weather in NYC?"), (None, "weather in LA instead")])).expect("merges");
+        let plan = merge_view(&tree, &view(&[(Some("u1"), "weather in NYC?"), (None, "weather in LA instead")]))
+            .expect("merges");
         match plan {
             MergePlan::Append { parent, new_from, messages } => {
                 assert_eq!(parent.as_deref(), Some("u1"));
@@ -209,7 +196,8 @@ mod tests {
     fn resending_known_ids_changes_nothing_and_an_earlier_end_moves_the_head() {
         let tree = Tree::new(vec![node("u1", None), node("a1", Some("u1")), node("u2", Some("a1"))]);
         // Same ids, different text: matched by id, never by content.
-        let same = merge_view(&tree, &view(&[(Some("u1"), "changed"), (Some("a1"), "x"), (Some("u2"), "y")])).expect("merges");
+        let same =
+            merge_view(&tree, &view(&[(Some("u1"), "changed"), (Some("a1"), "x"), (Some("u2"), "y")])).expect("merges");
         assert_eq!(same, MergePlan::MoveHead { to: "u2".into() });
         let earlier = merge_view(&tree, &view(&[(Some("u1"), "")])).expect("merges");
         assert_eq!(earlier, MergePlan::MoveHead { to: "u1".into() });
@@ -239,7 +227,11 @@ mod tests {
             proptest::collection::vec(any::<prop::sample::Index>(), 1..40).prop_map(|parents| {
                 let mut nodes: Vec<Node> = Vec::new();
                 for (index, parent) in parents.iter().enumerate() {
-                    let parent_id = if index == 0 || parent.index(4) == 0 { None } else { Some(format!("n{}", parent.index(index))) };
+                    let parent_id = if index == 0 || parent.index(4) == 0 {
+                        None
+                    } else {
+                        Some(format!("n{}", parent.index(index)))
+                    };
                     nodes.push(node(&format!("n{index}"), parent_id.as_deref()));
                 }
                 Tree::new(nodes)

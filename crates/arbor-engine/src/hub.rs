@@ -14,6 +14,13 @@ use serde::Serialize;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use arbor_core::Node;
+use arbor_store::{Turn, User};
+use tokio::sync::watch;
+
+use crate::models::ResolvedModel;
+use crate::submit::QueueMode;
+use crate::turn::TurnOutcome;
 use crate::writer::EventWriter;
 
 /// Live viewers may fall this many events behind before they resynchronise
@@ -27,6 +34,40 @@ const RECENT_KEPT: usize = 4096;
 pub(crate) struct RunningTurn {
     pub turn_id: Arc<str>,
     pub cancel: CancellationToken,
+    /// The message the turn answers; a head move that leaves it off the
+    /// active path cancels the turn.
+    pub reply_parent: String,
+}
+
+/// A turn waiting for the slot (or about to take it).
+pub(crate) struct QueuedTurn {
+    pub turn: Turn,
+    /// Messages to record when the turn starts (a queued message is recorded
+    /// under the head as it is then, so it follows the reply it waited for).
+    pub nodes: Vec<Node>,
+    /// Whether messages sent with `queue: "merge"` may join this turn.
+    pub merge: bool,
+    /// Whether the client placed the messages itself (a view or a
+    /// `parent_id`); otherwise they hang under the head at start.
+    pub anchored: bool,
+    /// Whether it waited in the queue (its row is stored as `queued`).
+    pub waited: bool,
+    pub user: User,
+    pub model: ResolvedModel,
+    pub cancel: CancellationToken,
+    pub outcome: watch::Sender<Option<TurnOutcome>>,
+}
+
+/// What [`Hub::claim_or_queue`] decided.
+pub(crate) enum Slot {
+    /// The slot was free: run this turn now.
+    Claimed(Box<QueuedTurn>),
+    /// A turn runs and the caller did not want to wait.
+    Busy { running: Arc<str> },
+    /// Queued at `position` (1 = next).
+    Queued { turn: Turn, position: usize, subscription: Subscription, last_seq: i64 },
+    /// Joined the queued merge turn `turn`.
+    Merged { turn: Turn, subscription: Subscription, last_seq: i64, outcome: watch::Receiver<Option<TurnOutcome>> },
 }
 
 struct HubState {
@@ -34,14 +75,14 @@ struct HubState {
     /// The latest events, oldest first; covers every event not yet stored.
     recent: VecDeque<Event>,
     running: Option<RunningTurn>,
+    /// Turns waiting for the slot, in arrival order.
+    queue: VecDeque<QueuedTurn>,
     last_active: Instant,
 }
 
 fn to_json(payload: &impl Serialize) -> Arc<str> {
     // Payloads are plain structs and json! values: serializing cannot fail.
-    serde_json::to_string(payload)
-        .unwrap_or_else(|_| "{}".to_string())
-        .into()
+    serde_json::to_string(payload).unwrap_or_else(|_| "{}".to_string()).into()
 }
 
 pub(crate) struct Hub {
@@ -71,6 +112,7 @@ impl Hub {
                 next_seq: last_seq + 1,
                 recent: VecDeque::new(),
                 running: None,
+                queue: VecDeque::new(),
                 last_active: Instant::now(),
             }),
             sender,
@@ -82,50 +124,96 @@ impl Hub {
     fn lock(&self) -> MutexGuard<'_, HubState> {
         // A panic while holding this lock cannot leave the state half-written
         // (every update is a few field assignments), so poisoning is ignored.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Numbers, stores (batched) and broadcasts one event.
-    pub(crate) fn emit(
-        &self,
-        turn_id: Option<&Arc<str>>,
-        name: EventName,
-        payload: &impl Serialize,
-    ) -> Event {
+    pub(crate) fn emit(&self, turn_id: Option<&Arc<str>>, name: EventName, payload: &impl Serialize) -> Event {
         let data = to_json(payload);
         let mut state = self.lock();
         self.emit_locked(&mut state, turn_id, name, data)
     }
 
     /// Frees the turn slot and emits the turn's closing event atomically, so
-    /// that no event of a next turn can come before it.
-    pub(crate) fn finish(
-        &self,
-        turn_id: &Arc<str>,
-        name: EventName,
-        payload: &impl Serialize,
-    ) -> Event {
+    /// that no event of a next turn can come before it. Hands the slot to the
+    /// first queued turn, which the caller must then launch.
+    pub(crate) fn finish(&self, turn_id: &Arc<str>, name: EventName, payload: &impl Serialize) -> Option<QueuedTurn> {
         let data = to_json(payload);
         let mut state = self.lock();
-        if state
-            .running
-            .as_ref()
-            .is_some_and(|running| running.turn_id == *turn_id)
-        {
+        if state.running.as_ref().is_some_and(|running| running.turn_id == *turn_id) {
             state.running = None;
         }
-        self.emit_locked(&mut state, Some(turn_id), name, data)
+        self.emit_locked(&mut state, Some(turn_id), name, data);
+        if state.running.is_some() {
+            return None;
+        }
+        let next = state.queue.pop_front()?;
+        state.running = Some(RunningTurn {
+            turn_id: Arc::from(next.turn.id.as_str()),
+            cancel: next.cancel.clone(),
+            reply_parent: next
+                .nodes
+                .last()
+                .map(|node| node.id.clone())
+                .unwrap_or_else(|| next.turn.user_message_id.clone()),
+        });
+        Some(next)
     }
 
-    fn emit_locked(
-        &self,
-        state: &mut HubState,
-        turn_id: Option<&Arc<str>>,
-        name: EventName,
-        data: Arc<str>,
-    ) -> Event {
+    /// Takes the slot if it is free; otherwise refuses, queues or merges as
+    /// `mode` says. Subscriptions are made under the same lock, so a waiting
+    /// client sees every event of its turn.
+    pub(crate) fn claim_or_queue(&self, running: RunningTurn, mut turn: QueuedTurn, mode: QueueMode) -> Slot {
+        let mut state = self.lock();
+        state.last_active = Instant::now();
+        if state.running.is_none() && state.queue.is_empty() {
+            state.running = Some(running);
+            return Slot::Claimed(Box::new(turn));
+        }
+        let busy_with = state.running.as_ref().map(|running| running.turn_id.clone());
+        match mode {
+            QueueMode::Refuse => {
+                let running =
+                    busy_with.or_else(|| state.queue.front().map(|queued| Arc::from(queued.turn.id.as_str())));
+                Slot::Busy { running: running.unwrap_or_else(|| Arc::from("")) }
+            }
+            QueueMode::Merge
+                if state.queue.back().is_some_and(|last| last.merge && !last.anchored && !turn.anchored) =>
+            {
+                let last = state.queue.back_mut().expect("checked above");
+                for node in turn.nodes.drain(..) {
+                    // A resent message id is not added twice.
+                    if last.nodes.iter().all(|known| known.id != node.id) {
+                        last.nodes.push(Node { turn_id: Some(last.turn.id.clone()), ..node });
+                    }
+                }
+                let merged = last.turn.clone();
+                let outcome = last.outcome.subscribe();
+                let receiver = self.sender.subscribe();
+                let last_seq = state.next_seq - 1;
+                let subscription = Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver };
+                Slot::Merged { turn: merged, subscription, last_seq, outcome }
+            }
+            QueueMode::Fifo | QueueMode::Merge => {
+                let queued_turn = turn.turn.clone();
+                turn.waited = true;
+                state.queue.push_back(turn);
+                let receiver = self.sender.subscribe();
+                let last_seq = state.next_seq - 1;
+                let subscription = Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver };
+                Slot::Queued { turn: queued_turn, position: state.queue.len(), subscription, last_seq }
+            }
+        }
+    }
+
+    /// Takes a queued turn out of the queue (it was cancelled).
+    pub(crate) fn remove_queued(&self, turn_id: &str) -> Option<QueuedTurn> {
+        let mut state = self.lock();
+        let position = state.queue.iter().position(|queued| queued.turn.id == turn_id)?;
+        state.queue.remove(position)
+    }
+
+    fn emit_locked(&self, state: &mut HubState, turn_id: Option<&Arc<str>>, name: EventName, data: Arc<str>) -> Event {
         let event = Event {
             seq: state.next_seq,
             conversation_id: self.conversation_id.clone(),
@@ -138,12 +226,7 @@ impl Hub {
         state.last_active = Instant::now();
         state.recent.push_back(event.clone());
         let flushed = self.flushed.load(Ordering::Acquire);
-        while state.recent.len() > RECENT_KEPT
-            && state
-                .recent
-                .front()
-                .is_some_and(|oldest| oldest.seq <= flushed)
-        {
+        while state.recent.len() > RECENT_KEPT && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed) {
             state.recent.pop_front();
         }
         // Sending under the lock keeps the broadcast order equal to seq order.
@@ -158,56 +241,31 @@ impl Hub {
         let state = self.lock();
         let receiver = self.sender.subscribe();
         let last = state.next_seq - 1;
-        (
-            last,
-            Subscription {
-                backlog: Vec::new(),
-                memory_from: state.next_seq,
-                receiver,
-            },
-        )
+        (last, Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver })
     }
 
     /// Subscribes a viewer that has seen everything up to `after`.
     pub(crate) fn subscribe(&self, after: i64) -> Subscription {
         let state = self.lock();
         let receiver = self.sender.subscribe();
-        let memory_from = state
-            .recent
-            .front()
-            .map_or(state.next_seq, |oldest| oldest.seq);
-        let backlog = state
-            .recent
-            .iter()
-            .filter(|event| event.seq > after)
-            .cloned()
-            .collect();
-        Subscription {
-            backlog,
-            memory_from,
-            receiver,
-        }
+        let memory_from = state.recent.front().map_or(state.next_seq, |oldest| oldest.seq);
+        let backlog = state.recent.iter().filter(|event| event.seq > after).cloned().collect();
+        Subscription { backlog, memory_from, receiver }
     }
 
-    /// Claims the turn slot, or returns the turn that holds it.
-    pub(crate) fn claim(&self, turn: RunningTurn) -> Result<(), Arc<str>> {
+    /// Records which message the running turn answers (known once a queued
+    /// turn's messages are recorded).
+    pub(crate) fn set_reply_parent(&self, turn_id: &str, reply_parent: &str) {
         let mut state = self.lock();
-        if let Some(running) = &state.running {
-            return Err(running.turn_id.clone());
+        if let Some(running) = state.running.as_mut().filter(|running| &*running.turn_id == turn_id) {
+            running.reply_parent = reply_parent.to_string();
         }
-        state.running = Some(turn);
-        state.last_active = Instant::now();
-        Ok(())
     }
 
     /// Frees the slot if `turn_id` holds it.
     pub(crate) fn release(&self, turn_id: &str) {
         let mut state = self.lock();
-        if state
-            .running
-            .as_ref()
-            .is_some_and(|running| &*running.turn_id == turn_id)
-        {
+        if state.running.as_ref().is_some_and(|running| &*running.turn_id == turn_id) {
             state.running = None;
         }
         state.last_active = Instant::now();
@@ -222,6 +280,7 @@ impl Hub {
     pub(crate) fn is_idle(&self, quiet_for: std::time::Duration) -> bool {
         let state = self.lock();
         state.running.is_none()
+            && state.queue.is_empty()
             && self.sender.receiver_count() == 0
             && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1
             && state.last_active.elapsed() >= quiet_for

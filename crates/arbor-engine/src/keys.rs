@@ -25,9 +25,7 @@ pub fn hash_key(key: &str) -> String {
 pub fn validate_user_name(name: &str) -> EngineResult<()> {
     let valid = !name.is_empty()
         && name.len() <= 64
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if valid {
         Ok(())
     } else {
@@ -38,38 +36,20 @@ pub fn validate_user_name(name: &str) -> EngineResult<()> {
 }
 
 /// Creates a user and a first key for them; returns the user and the key.
-pub async fn create_user(
-    store: &dyn Store,
-    name: &str,
-    is_admin: bool,
-) -> EngineResult<(User, String)> {
+pub async fn create_user(store: &dyn Store, name: &str, is_admin: bool) -> EngineResult<(User, String)> {
     validate_user_name(name)?;
-    let user = User {
-        id: new_id(),
-        name: name.to_string(),
-        is_admin,
-        balance_credits: None,
-        created_at: now_millis(),
-    };
-    store
-        .create_user(&user)
-        .await
-        .map_err(|error| match error {
-            StoreError::Conflict(_) => {
-                EngineError::Conflict(format!("a user named {name:?} already exists"))
-            }
-            other => other.into(),
-        })?;
+    let user = User { id: new_id(), name: name.to_string(), is_admin, balance_credits: None, created_at: now_millis() };
+    store.create_user(&user).await.map_err(|error| match error {
+        StoreError::Conflict(_) => EngineError::Conflict(format!("a user named {name:?} already exists")),
+        other => other.into(),
+    })?;
     let key = create_key_for(store, &user).await?;
     Ok((user, key))
 }
 
 /// Creates another key for the named user.
 pub async fn create_key(store: &dyn Store, user_name: &str) -> EngineResult<String> {
-    let user = store
-        .user_by_name(user_name)
-        .await?
-        .ok_or(EngineError::NotFound("user"))?;
+    let user = store.user_by_name(user_name).await?.ok_or(EngineError::NotFound("user"))?;
     create_key_for(store, &user).await
 }
 
@@ -98,10 +78,7 @@ mod tests {
         assert_eq!(first.len(), 4 + 64);
         assert!(first.starts_with("arb_"));
         // SHA-256("abc"), the standard test vector.
-        assert_eq!(
-            hash_key("abc"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
+        assert_eq!(hash_key("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     }
 
     #[test]

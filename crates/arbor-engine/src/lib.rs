@@ -10,6 +10,7 @@ mod hub;
 pub mod keys;
 pub mod models;
 pub mod stream;
+mod submit;
 mod turn;
 mod writer;
 
@@ -18,11 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arbor_core::ids::{new_id, now_millis};
-use arbor_core::message::NodeStatus;
-use arbor_core::{EventName, Message, Node};
+use arbor_core::{EventName, Node};
 use arbor_store::{
-    ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn,
-    TurnStatus, User,
+    ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn, TurnStatus, User,
 };
 use serde_json::json;
 use tokio::sync::watch;
@@ -32,9 +31,10 @@ use tokio_util::task::TaskTracker;
 pub use error::{EngineError, EngineResult};
 pub use models::{Models, ResolvedModel};
 pub use stream::{EventStream, Until};
+pub use submit::{QueueMode, Submit, Submitted};
 pub use turn::TurnOutcome;
 
-use crate::hub::{Hub, RunningTurn};
+use crate::hub::Hub;
 use crate::writer::EventWriter;
 
 /// Limits on a turn (DESIGN.md §5).
@@ -73,22 +73,13 @@ pub struct NewConversation {
     pub system_prompt: Option<String>,
 }
 
-/// A user message that starts a turn.
-#[derive(Debug, Clone, Default)]
-pub struct Submit {
-    pub content: String,
-    pub model: Option<String>,
-    /// A client-chosen message id.
-    pub id: Option<String>,
-    /// Where to attach the message (default: the head).
-    pub parent_id: Option<String>,
-}
-
 /// A started turn: its row, the user message, the turn's own event stream
 /// (from `turn.started` to `done`/`error`), and a way to wait for its end.
 pub struct TurnHandle {
     pub turn: Turn,
-    pub user_message: Node,
+    /// The message the turn answers, when this submit recorded it now (not
+    /// for a queued or merged submit, whose messages are recorded at start).
+    pub user_message: Option<Node>,
     pub events: EventStream,
     outcome: watch::Receiver<Option<TurnOutcome>>,
 }
@@ -97,13 +88,12 @@ impl TurnHandle {
     /// Waits until the turn has finished and been recorded.
     pub async fn outcome(mut self) -> EngineResult<TurnOutcome> {
         drop(self.events);
-        let outcome =
-            self.outcome.wait_for(Option::is_some).await.map_err(|_| {
-                EngineError::Internal("the turn task ended without an outcome".into())
-            })?;
-        outcome
-            .clone()
-            .ok_or_else(|| EngineError::Internal("the turn has no outcome".into()))
+        let outcome = self
+            .outcome
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| EngineError::Internal("the turn task ended without an outcome".into()))?;
+        outcome.clone().ok_or_else(|| EngineError::Internal("the turn has no outcome".into()))
     }
 }
 
@@ -136,6 +126,16 @@ pub(crate) struct Inner {
     /// Recently seen API keys (hash → user, when checked), so that a busy
     /// client does not cost a database read per request.
     key_cache: Mutex<HashMap<String, (User, Instant)>>,
+    /// Queued turns that just got their conversation's slot, for the
+    /// launcher task to start.
+    launcher: tokio::sync::mpsc::UnboundedSender<(Arc<Hub>, String, hub::QueuedTurn)>,
+}
+
+impl Inner {
+    pub(crate) fn queue_launch(&self, hub: Arc<Hub>, owner_id: String, next: hub::QueuedTurn) {
+        // The launcher lives as long as the engine.
+        let _ = self.launcher.send((hub, owner_id, next));
+    }
 }
 
 /// How long an authenticated key is trusted without asking the store again.
@@ -151,12 +151,9 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine: the event writer, and recovery of turns a previous
     /// process left running (they are marked interrupted).
-    pub async fn start(
-        store: Arc<dyn Store>,
-        models: Models,
-        config: EngineConfig,
-    ) -> EngineResult<Engine> {
+    pub async fn start(store: Arc<dyn Store>, models: Models, config: EngineConfig) -> EngineResult<Engine> {
         let (writer, _task) = EventWriter::start(store.clone());
+        let (launcher, mut launches) = tokio::sync::mpsc::unbounded_channel();
         let engine = Engine {
             inner: Arc::new(Inner {
                 store,
@@ -168,8 +165,15 @@ impl Engine {
                 closing: CancellationToken::new(),
                 interrupt: CancellationToken::new(),
                 key_cache: Mutex::new(HashMap::new()),
+                launcher,
             }),
         };
+        let inner = engine.inner.clone();
+        tokio::spawn(async move {
+            while let Some((hub, owner_id, next)) = launches.recv().await {
+                tokio::spawn(inner.clone().launch_next(hub, owner_id, next));
+            }
+        });
         engine.recover_interrupted_turns().await?;
         Ok(engine)
     }
@@ -221,11 +225,7 @@ impl Engine {
 
     // ---- conversations ----
 
-    pub async fn create_conversation(
-        &self,
-        user: &User,
-        new: NewConversation,
-    ) -> EngineResult<Conversation> {
+    pub async fn create_conversation(&self, user: &User, new: NewConversation) -> EngineResult<Conversation> {
         let model = match new.model {
             Some(model) => {
                 self.inner.models.resolve(&model)?;
@@ -234,11 +234,7 @@ impl Engine {
             None => self.inner.models.default_model().to_string(),
         };
         validate_text("title", new.title.as_deref(), 1024)?;
-        validate_text(
-            "system_prompt",
-            new.system_prompt.as_deref(),
-            self.inner.config.limits.max_message_bytes,
-        )?;
+        validate_text("system_prompt", new.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
         let now = now_millis();
         let conversation = Conversation {
             id: new_id(),
@@ -257,29 +253,14 @@ impl Engine {
         Ok(conversation)
     }
 
-    pub async fn conversation(
-        &self,
-        user: &User,
-        conversation_id: &str,
-    ) -> EngineResult<Conversation> {
-        self.inner
-            .store
-            .conversation(&user.id, conversation_id)
-            .await?
-            .ok_or(EngineError::NotFound("conversation"))
+    pub async fn conversation(&self, user: &User, conversation_id: &str) -> EngineResult<Conversation> {
+        self.inner.store.conversation(&user.id, conversation_id).await?.ok_or(EngineError::NotFound("conversation"))
     }
 
-    pub async fn conversation_tree(
-        &self,
-        user: &User,
-        conversation_id: &str,
-    ) -> EngineResult<ConversationTree> {
+    pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
         let messages = self.inner.store.messages(&conversation.id).await?;
-        Ok(ConversationTree {
-            conversation,
-            messages,
-        })
+        Ok(ConversationTree { conversation, messages })
     }
 
     pub async fn list_conversations(
@@ -288,11 +269,7 @@ impl Engine {
         cursor: Option<ConversationCursor>,
         limit: u32,
     ) -> EngineResult<Vec<Conversation>> {
-        Ok(self
-            .inner
-            .store
-            .list_conversations(&user.id, cursor.as_ref(), limit.clamp(1, 100))
-            .await?)
+        Ok(self.inner.store.list_conversations(&user.id, cursor.as_ref(), limit.clamp(1, 100)).await?)
     }
 
     pub async fn update_conversation(
@@ -305,11 +282,7 @@ impl Engine {
             self.inner.models.resolve(model)?;
         }
         validate_text("title", update.title.as_deref(), 1024)?;
-        validate_text(
-            "system_prompt",
-            update.system_prompt.as_deref(),
-            self.inner.config.limits.max_message_bytes,
-        )?;
+        validate_text("system_prompt", update.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
         update.updated_at = now_millis();
         self.inner
             .store
@@ -318,226 +291,15 @@ impl Engine {
             .map_err(not_found("conversation"))
     }
 
-    pub async fn delete_conversation(
-        &self,
-        user: &User,
-        conversation_id: &str,
-    ) -> EngineResult<()> {
+    pub async fn delete_conversation(&self, user: &User, conversation_id: &str) -> EngineResult<()> {
         let conversation = self.conversation(user, conversation_id).await?;
-        if let Some(running) = self
-            .hub_if_loaded(&conversation.id)
-            .and_then(|hub| hub.running())
-        {
+        if let Some(running) = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.running()) {
             running.cancel.cancel();
         }
-        self.inner
-            .store
-            .delete_conversation(&user.id, conversation_id)
-            .await
-            .map_err(not_found("conversation"))
+        self.inner.store.delete_conversation(&user.id, conversation_id).await.map_err(not_found("conversation"))
     }
 
     // ---- turns ----
-
-    /// Records the user's message and starts a turn on it.
-    pub async fn submit(
-        &self,
-        user: &User,
-        conversation_id: &str,
-        submit: Submit,
-    ) -> EngineResult<TurnHandle> {
-        if self.inner.closing.is_cancelled() {
-            return Err(EngineError::ShuttingDown);
-        }
-        let conversation = self.conversation(user, conversation_id).await?;
-        if submit.content.trim().is_empty() {
-            return Err(EngineError::InvalidInput(
-                "content must not be empty".into(),
-            ));
-        }
-        validate_text(
-            "content",
-            Some(&submit.content),
-            self.inner.config.limits.max_message_bytes,
-        )?;
-        let model = self
-            .inner
-            .models
-            .resolve(submit.model.as_deref().unwrap_or(&conversation.model))?;
-        if let Some(id) = &submit.id {
-            validate_message_id(id)?;
-        }
-        let parent_id = match submit.parent_id {
-            Some(parent_id) => {
-                self.inner
-                    .store
-                    .message(&conversation.id, &parent_id)
-                    .await?
-                    .ok_or_else(|| {
-                        EngineError::InvalidInput(format!(
-                            "parent_id {parent_id:?} is not a message of this conversation"
-                        ))
-                    })?;
-                Some(parent_id)
-            }
-            None => conversation.head_id.clone(),
-        };
-        // The quota is read fresh: the key cache may hold an old balance.
-        let fresh_user = self
-            .inner
-            .store
-            .user(&user.id)
-            .await?
-            .ok_or(EngineError::NotFound("user"))?;
-        if fresh_user
-            .balance_credits
-            .is_some_and(|balance| balance <= 0)
-        {
-            return Err(EngineError::QuotaExceeded);
-        }
-
-        let hub = self.hub(&conversation.id).await?;
-        let turn_id: Arc<str> = Arc::from(new_id());
-        let cancel = CancellationToken::new();
-        hub.claim(RunningTurn {
-            turn_id: turn_id.clone(),
-            cancel: cancel.clone(),
-        })
-        .map_err(|running| EngineError::TurnRunning {
-            turn_id: running.to_string(),
-        })?;
-
-        match self
-            .start_turn(
-                &hub,
-                fresh_user,
-                conversation,
-                model,
-                submit.content,
-                submit.id,
-                parent_id,
-                turn_id.clone(),
-                cancel,
-            )
-            .await
-        {
-            Ok(handle) => Ok(handle),
-            Err(error) => {
-                hub.release(&turn_id);
-                Err(error)
-            }
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn start_turn(
-        &self,
-        hub: &Arc<Hub>,
-        user: User,
-        conversation: Conversation,
-        model: ResolvedModel,
-        content: String,
-        message_id: Option<String>,
-        parent_id: Option<String>,
-        turn_id: Arc<str>,
-        cancel: CancellationToken,
-    ) -> EngineResult<TurnHandle> {
-        let now = now_millis();
-        let user_message = Node {
-            id: message_id.unwrap_or_else(new_id),
-            conversation_id: conversation.id.clone(),
-            parent_id,
-            message: Message::user(content),
-            model: None,
-            provider: None,
-            turn_id: Some(turn_id.to_string()),
-            copied_from: None,
-            status: NodeStatus::Complete,
-            created_at: now,
-        };
-        // The user's message is durable before anything else happens.
-        self.inner
-            .store
-            .append_messages(std::slice::from_ref(&user_message), now)
-            .await
-            .map_err(|error| match error {
-                StoreError::Conflict(_) => EngineError::Conflict(format!(
-                    "message id {:?} already exists in this conversation",
-                    user_message.id
-                )),
-                other => other.into(),
-            })?;
-        let turn = Turn {
-            id: turn_id.to_string(),
-            conversation_id: conversation.id.clone(),
-            user_id: user.id.clone(),
-            user_message_id: user_message.id.clone(),
-            status: TurnStatus::Running,
-            model: model.info.id.clone(),
-            iterations: 0,
-            usage: Default::default(),
-            cost_micro_usd: 0,
-            reply_message_id: None,
-            error_code: None,
-            error_message: None,
-            created_at: now,
-            started_at: Some(now),
-            finished_at: None,
-        };
-        self.inner
-            .store
-            .insert_turn(&turn)
-            .await
-            .map_err(|error| match error {
-                // Another process runs a turn on this conversation.
-                StoreError::Conflict(_) => {
-                    EngineError::Conflict("another turn is running on this conversation".into())
-                }
-                other => other.into(),
-            })?;
-
-        let (last_seq, subscription) = hub.subscribe_live();
-        hub.emit(
-            Some(&turn_id),
-            EventName::TurnStarted,
-            &json!({"turn_id": &*turn_id, "message_id": user_message.id, "model": model.info.id}),
-        );
-        hub.emit(
-            Some(&turn_id),
-            EventName::MessageNew,
-            &json!({ "message": user_message }),
-        );
-        let events = stream::follow(
-            self.inner.store.clone(),
-            hub.clone(),
-            subscription,
-            last_seq,
-            Until::TurnEnds(turn_id.clone()),
-        );
-
-        let (outcome_sender, outcome) = watch::channel(None);
-        let task = turn::TurnTask {
-            inner: self.inner.clone(),
-            hub: hub.clone(),
-            user,
-            conversation,
-            turn: turn.clone(),
-            turn_id,
-            model,
-            cancel,
-            outcome: outcome_sender,
-            deadline: Instant::now() + self.inner.config.limits.turn_timeout,
-            llm_trace_id: String::new(),
-            retry_after_secs: None,
-        };
-        self.inner.tracker.spawn(task.run());
-        Ok(TurnHandle {
-            turn,
-            user_message,
-            events,
-            outcome,
-        })
-    }
 
     /// The events of a conversation after `after`, then live ones.
     pub async fn events(
@@ -550,52 +312,29 @@ impl Engine {
         let conversation = self.conversation(user, conversation_id).await?;
         let hub = self.hub(&conversation.id).await?;
         let subscription = hub.subscribe(after);
-        Ok(stream::follow(
-            self.inner.store.clone(),
-            hub,
-            subscription,
-            after,
-            until,
-        ))
+        Ok(stream::follow(self.inner.store.clone(), hub, subscription, after, until))
     }
 
-    pub async fn turn_details(
-        &self,
-        user: &User,
-        conversation_id: &str,
-        turn_id: &str,
-    ) -> EngineResult<TurnDetails> {
+    pub async fn turn_details(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<TurnDetails> {
         let conversation = self.conversation(user, conversation_id).await?;
-        let turn = self
-            .inner
-            .store
-            .turn(&conversation.id, turn_id)
-            .await?
-            .ok_or(EngineError::NotFound("turn"))?;
+        let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
         let api_calls = self.inner.store.api_calls(&turn.id).await?;
         Ok(TurnDetails { turn, api_calls })
     }
 
     /// Stops a running turn now. Cancelling a finished turn changes nothing.
-    pub async fn cancel_turn(
-        &self,
-        user: &User,
-        conversation_id: &str,
-        turn_id: &str,
-    ) -> EngineResult<Turn> {
+    pub async fn cancel_turn(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<Turn> {
         let conversation = self.conversation(user, conversation_id).await?;
-        let turn = self
-            .inner
-            .store
-            .turn(&conversation.id, turn_id)
-            .await?
-            .ok_or(EngineError::NotFound("turn"))?;
-        if let Some(running) = self
-            .hub_if_loaded(&conversation.id)
-            .and_then(|hub| hub.running())
+        let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
+        let Some(hub) = self.hub_if_loaded(&conversation.id) else {
+            return Ok(turn);
+        };
+        if let Some(running) = hub.running()
             && &*running.turn_id == turn_id
         {
             running.cancel.cancel();
+        } else if let Some(queued) = hub.remove_queued(turn_id) {
+            return self.inner.cancel_queued(&hub, &user.id, queued).await;
         }
         Ok(turn)
     }
@@ -607,10 +346,7 @@ impl Engine {
     pub async fn shutdown(&self, grace: Duration) {
         self.inner.closing.cancel();
         self.inner.tracker.close();
-        if tokio::time::timeout(grace, self.inner.tracker.wait())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(grace, self.inner.tracker.wait()).await.is_err() {
             tracing::warn!("turns still running after the grace period; interrupting them");
             self.inner.interrupt.cancel();
             self.inner.tracker.wait().await;
@@ -632,13 +368,9 @@ impl Engine {
         if hubs.len() >= 1024 {
             hubs.retain(|_, hub| !hub.is_idle(HUB_IDLE));
         }
-        let hub = hubs.entry(conversation_id.to_string()).or_insert_with(|| {
-            Arc::new(Hub::new(
-                conversation_id,
-                last_seq,
-                self.inner.writer.clone(),
-            ))
-        });
+        let hub = hubs
+            .entry(conversation_id.to_string())
+            .or_insert_with(|| Arc::new(Hub::new(conversation_id, last_seq, self.inner.writer.clone())));
         Ok(hub.clone())
     }
 
@@ -649,17 +381,12 @@ impl Engine {
     /// Marks turns a crashed process left running as interrupted, and tells
     /// any viewer that resumes their stream.
     async fn recover_interrupted_turns(&self) -> EngineResult<()> {
-        let stale = self
-            .inner
-            .store
-            .turns_with_status(&[TurnStatus::Running, TurnStatus::Queued])
-            .await?;
+        let stale = self.inner.store.turns_with_status(&[TurnStatus::Running, TurnStatus::Queued]).await?;
         for mut turn in stale {
             tracing::warn!(turn_id = %turn.id, conversation_id = %turn.conversation_id, "marking a turn left running by a previous process as interrupted");
             turn.status = TurnStatus::Interrupted;
             turn.error_code = Some("interrupted".into());
-            turn.error_message =
-                Some("the server stopped during this turn; send the message again".into());
+            turn.error_message = Some("the server stopped during this turn; send the message again".into());
             turn.finished_at = Some(now_millis());
             self.inner.store.update_turn(&turn).await?;
             let hub = self.hub(&turn.conversation_id).await?;
@@ -676,9 +403,7 @@ impl Engine {
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn not_found(what: &'static str) -> impl Fn(StoreError) -> EngineError {
@@ -690,10 +415,9 @@ fn not_found(what: &'static str) -> impl Fn(StoreError) -> EngineError {
 
 fn validate_text(field: &str, text: Option<&str>, max_bytes: usize) -> EngineResult<()> {
     match text {
-        Some(text) if text.len() > max_bytes => Err(EngineError::InvalidInput(format!(
-            "{field} is {} bytes; the limit is {max_bytes}",
-            text.len()
-        ))),
+        Some(text) if text.len() > max_bytes => {
+            Err(EngineError::InvalidInput(format!("{field} is {} bytes; the limit is {max_bytes}", text.len())))
+        }
         _ => Ok(()),
     }
 }

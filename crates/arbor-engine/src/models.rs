@@ -29,11 +29,7 @@ impl Models {
         providers: HashMap<String, Arc<dyn Provider>>,
         default_model: String,
     ) -> EngineResult<Models> {
-        let models = Models {
-            registry,
-            providers,
-            default_model,
-        };
+        let models = Models { registry, providers, default_model };
         models.resolve(&models.default_model)?;
         Ok(models)
     }
@@ -53,10 +49,7 @@ impl Models {
 
     /// The model and its adapter, or a 400-class error naming the model.
     pub fn resolve(&self, model: &str) -> EngineResult<ResolvedModel> {
-        let info = self
-            .registry
-            .get(model)
-            .ok_or_else(|| EngineError::UnknownModel(model.to_string()))?;
+        let info = self.registry.get(model).ok_or_else(|| EngineError::UnknownModel(model.to_string()))?;
         let provider = self.providers.get(&info.provider).cloned().ok_or_else(|| {
             EngineError::ModelUnavailable(format!(
                 "model {model:?} is served by provider {:?}, which is not configured on this server: \
@@ -64,9 +57,6 @@ impl Models {
                 info.provider, info.provider
             ))
         })?;
-        Ok(ResolvedModel {
-            info: info.clone(),
-            provider,
-        })
+        Ok(ResolvedModel { info: info.clone(), provider })
     }
 }

@@ -50,13 +50,7 @@ pub(crate) fn follow(
 ) -> EventStream {
     let (sender, receiver) = mpsc::channel(VIEWER_BUFFER);
     tokio::spawn(async move {
-        let mut follower = Follower {
-            store,
-            hub,
-            sender,
-            last: after,
-            until,
-        };
+        let mut follower = Follower { store, hub, sender, last: after, until };
         follower.run(subscription).await;
     });
     EventStream { receiver }
@@ -94,11 +88,7 @@ impl Follower {
     /// Delivers the store's events before the hub's memory, then the backlog.
     async fn catch_up(&mut self, subscription: &Subscription) -> Result<(), Stop> {
         while self.last + 1 < subscription.memory_from {
-            let page = match self
-                .store
-                .events_after(&self.hub.conversation_id, self.last, STORE_PAGE)
-                .await
-            {
+            let page = match self.store.events_after(&self.hub.conversation_id, self.last, STORE_PAGE).await {
                 Ok(page) => page,
                 Err(error) => {
                     tracing::error!(%error, "reading events to replay failed");
@@ -106,10 +96,7 @@ impl Follower {
                 }
             };
             let before = self.last;
-            for event in page
-                .into_iter()
-                .filter(|event| event.seq < subscription.memory_from)
-            {
+            for event in page.into_iter().filter(|event| event.seq < subscription.memory_from) {
                 self.deliver(event).await?;
             }
             if self.last == before {
@@ -144,9 +131,7 @@ impl Follower {
         }
         self.last = event.seq;
         let ends = match &self.until {
-            Until::TurnEnds(turn_id) => {
-                event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id)
-            }
+            Until::TurnEnds(turn_id) => event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id),
             Until::Forever => false,
         };
         if self.sender.send(event).await.is_err() {

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::Inner;
-use crate::hub::Hub;
+use crate::hub::{Hub, QueuedTurn};
 use crate::models::ResolvedModel;
 
 /// How a finished turn ended, for callers that wait (the JSON mode).
@@ -29,6 +29,8 @@ pub struct TurnOutcome {
     pub turn: Turn,
     /// The assistant message it produced (possibly interrupted).
     pub reply: Option<Node>,
+    /// The conversation's head version after the turn.
+    pub head_version: i64,
 }
 
 /// Why a model call stopped before the provider finished it.
@@ -41,21 +43,21 @@ enum Stopped {
 }
 
 pub(crate) struct TurnTask {
-    pub inner: Arc<Inner>,
-    pub hub: Arc<Hub>,
-    pub user: User,
-    pub conversation: Conversation,
-    pub turn: Turn,
-    pub turn_id: Arc<str>,
-    pub model: ResolvedModel,
-    pub cancel: CancellationToken,
-    pub outcome: watch::Sender<Option<TurnOutcome>>,
+    inner: Arc<Inner>,
+    hub: Arc<Hub>,
+    user: User,
+    conversation: Conversation,
+    turn: Turn,
+    turn_id: Arc<str>,
+    model: ResolvedModel,
+    cancel: CancellationToken,
+    outcome: watch::Sender<Option<TurnOutcome>>,
     /// When the turn's time limit runs out.
-    pub deadline: Instant,
+    deadline: Instant,
     /// The `llm_request` trace card of the call in flight.
-    pub llm_trace_id: String,
+    llm_trace_id: String,
     /// The provider's `retry-after`, passed on in the `error` event.
-    pub retry_after_secs: Option<u64>,
+    retry_after_secs: Option<u64>,
 }
 
 /// What one model call produced.
@@ -74,6 +76,35 @@ enum Failure {
 }
 
 impl TurnTask {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        inner: Arc<Inner>,
+        hub: Arc<Hub>,
+        user: User,
+        conversation: Conversation,
+        turn: Turn,
+        turn_id: Arc<str>,
+        model: ResolvedModel,
+        cancel: CancellationToken,
+        outcome: watch::Sender<Option<TurnOutcome>>,
+        deadline: Instant,
+    ) -> TurnTask {
+        TurnTask {
+            inner,
+            hub,
+            user,
+            conversation,
+            turn,
+            turn_id,
+            model,
+            cancel,
+            outcome,
+            deadline,
+            llm_trace_id: String::new(),
+            retry_after_secs: None,
+        }
+    }
+
     pub(crate) async fn run(mut self) {
         let started = Instant::now();
         tracing::info!(turn_id = %self.turn_id, conversation_id = %self.conversation.id, model = %self.model.info.id, "turn started");
@@ -93,7 +124,7 @@ impl TurnTask {
         if let Err(error) = self.inner.store.update_turn(&self.turn).await {
             tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
         }
-        self.finish_events(reply.as_ref());
+        let next = self.finish_events(reply.as_ref());
         tracing::info!(
             turn_id = %self.turn_id,
             status = self.turn.status.as_str(),
@@ -104,22 +135,24 @@ impl TurnTask {
         let _ = self.outcome.send(Some(TurnOutcome {
             turn: self.turn.clone(),
             reply,
+            head_version: self.conversation.head_version,
         }));
+        if let Some(next) = next {
+            // The engine's launcher starts it: a turn task that launched the
+            // next turn itself would be a future containing itself.
+            self.inner.queue_launch(self.hub.clone(), self.conversation.owner_id.clone(), next);
+        }
     }
 
     /// Releases the turn slot and emits the closing `done` or `error` in one
     /// step, so the next turn's events always follow this turn's end.
-    fn finish_events(&self, reply: Option<&Node>) {
+    fn finish_events(&self, reply: Option<&Node>) -> Option<QueuedTurn> {
         let turn = &self.turn;
         match (turn.status, reply) {
             (TurnStatus::Succeeded, Some(reply)) => {
-                let cost = Cost {
-                    micro_usd: turn.cost_micro_usd,
-                };
-                let latency_ms = turn
-                    .finished_at
-                    .zip(turn.started_at)
-                    .map_or(0, |(end, start)| (end - start).max(0) as u64);
+                let cost = Cost { micro_usd: turn.cost_micro_usd };
+                let latency_ms =
+                    turn.finished_at.zip(turn.started_at).map_or(0, |(end, start)| (end - start).max(0) as u64);
                 let payload = DonePayload {
                     turn_id: turn.id.clone(),
                     message_id: reply.id.clone(),
@@ -131,23 +164,18 @@ impl TurnTask {
                     latency_ms,
                     cost_credits: cost.credits(),
                     cost_cents_usd: cost.cents_usd(),
+                    head_version: self.conversation.head_version,
                 };
-                self.hub.finish(&self.turn_id, EventName::Done, &payload);
+                self.hub.finish(&self.turn_id, EventName::Done, &payload)
             }
             _ => {
                 let payload = ErrorPayload {
                     turn_id: Some(turn.id.clone()),
-                    code: turn
-                        .error_code
-                        .clone()
-                        .unwrap_or_else(|| ErrorCode::Internal.as_str().into()),
-                    message: turn
-                        .error_message
-                        .clone()
-                        .unwrap_or_else(|| "the turn failed".into()),
+                    code: turn.error_code.clone().unwrap_or_else(|| ErrorCode::Internal.as_str().into()),
+                    message: turn.error_message.clone().unwrap_or_else(|| "the turn failed".into()),
                     retry_after: self.retry_after_secs,
                 };
-                self.hub.finish(&self.turn_id, EventName::Error, &payload);
+                self.hub.finish(&self.turn_id, EventName::Error, &payload)
             }
         }
     }
@@ -160,8 +188,7 @@ impl TurnTask {
             .path_to(&self.turn.user_message_id)
             .into_iter()
             .filter(|node| {
-                !(node.status == NodeStatus::Interrupted
-                    && node.message.content.as_deref().unwrap_or("").is_empty())
+                !(node.status == NodeStatus::Interrupted && node.message.content.as_deref().unwrap_or("").is_empty())
             })
             .map(|node| node.message.clone())
             .collect();
@@ -197,11 +224,7 @@ impl TurnTask {
             provider: Some(self.model.info.provider.clone()),
             turn_id: Some(self.turn.id.clone()),
             copied_from: None,
-            status: if result.failure.is_none() {
-                NodeStatus::Complete
-            } else {
-                NodeStatus::Interrupted
-            },
+            status: if result.failure.is_none() { NodeStatus::Complete } else { NodeStatus::Interrupted },
             created_at: now_millis(),
         });
 
@@ -230,10 +253,9 @@ impl TurnTask {
         };
         self.inner.store.record_call(&call, reply.as_ref()).await?;
         if let Some(reply) = &reply {
-            self.inner
-                .store
-                .set_head(&self.conversation.id, Some(&reply.id), None, now_millis())
-                .await?;
+            self.conversation.head_version =
+                self.inner.store.set_head(&self.conversation.id, Some(&reply.id), None, now_millis()).await?;
+            self.conversation.head_id = Some(reply.id.clone());
         }
 
         self.hub.emit(
@@ -256,11 +278,7 @@ impl TurnTask {
             }),
         );
         if let Some(reply) = &reply {
-            self.hub.emit(
-                Some(&self.turn_id),
-                EventName::MessageNew,
-                &json!({ "message": reply }),
-            );
+            self.hub.emit(Some(&self.turn_id), EventName::MessageNew, &json!({ "message": reply }));
         }
 
         match result.failure {
@@ -270,11 +288,9 @@ impl TurnTask {
             }
             Some(failure) => {
                 let (turn_status, code, message) = match failure {
-                    Failure::Stopped(Stopped::Cancelled) => (
-                        TurnStatus::Cancelled,
-                        ErrorCode::Cancelled,
-                        "the turn was cancelled".to_string(),
-                    ),
+                    Failure::Stopped(Stopped::Cancelled) => {
+                        (TurnStatus::Cancelled, ErrorCode::Cancelled, "the turn was cancelled".to_string())
+                    }
                     Failure::Stopped(Stopped::Shutdown) => (
                         TurnStatus::Interrupted,
                         ErrorCode::Cancelled,
@@ -289,8 +305,7 @@ impl TurnTask {
                         ),
                     ),
                     Failure::Provider(error) => {
-                        self.retry_after_secs =
-                            error.retry_after.map(|delay| delay.as_secs().max(1));
+                        self.retry_after_secs = error.retry_after.map(|delay| delay.as_secs().max(1));
                         (TurnStatus::Failed, error.code, error.message)
                     }
                 };
@@ -301,11 +316,7 @@ impl TurnTask {
                         EventName::TraceStart,
                         &json!({"id": trace_id, "type": "error", "code": code, "message": message}),
                     );
-                    self.hub.emit(
-                        Some(&self.turn_id),
-                        EventName::TraceEnd,
-                        &json!({"id": trace_id, "type": "error"}),
-                    );
+                    self.hub.emit(Some(&self.turn_id), EventName::TraceEnd, &json!({"id": trace_id, "type": "error"}));
                 }
                 self.turn.status = turn_status;
                 self.turn.error_code = Some(code.as_str().to_string());
@@ -379,13 +390,7 @@ impl TurnTask {
                 }
             }
         });
-        CallResult {
-            collected,
-            usage,
-            latency_ms: started.elapsed().as_millis() as u64,
-            ttft_ms,
-            failure,
-        }
+        CallResult { collected, usage, latency_ms: started.elapsed().as_millis() as u64, ttft_ms, failure }
     }
 
     /// Resolves when the turn must stop: a cancel, or a server shutdown.
@@ -419,42 +424,31 @@ impl ChunkForwarder {
                     Some(id) => id.clone(),
                     None => {
                         let id = new_id();
-                        hub.emit(
-                            turn,
-                            EventName::TraceStart,
-                            &json!({"id": id, "type": "thinking"}),
-                        );
+                        hub.emit(turn, EventName::TraceStart, &json!({"id": id, "type": "thinking"}));
                         self.thinking_trace = Some(id.clone());
                         id
                     }
                 };
-                hub.emit(
-                    turn,
-                    EventName::TraceDelta,
-                    &json!({"id": id, "text": text}),
-                );
+                hub.emit(turn, EventName::TraceDelta, &json!({"id": id, "text": text}));
             }
-            Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => {
-                self.close_thinking(hub, turn_id)
-            }
+            Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => self.close_thinking(hub, turn_id),
             Chunk::ToolCallStart { index, id, name } => {
                 self.close_thinking(hub, turn_id);
                 let trace = new_id();
-                hub.emit(turn, EventName::TraceStart, &json!({"id": trace, "type": "tool_call_request", "tool_call_id": id, "name": name}));
+                hub.emit(
+                    turn,
+                    EventName::TraceStart,
+                    &json!({"id": trace, "type": "tool_call_request", "tool_call_id": id, "name": name}),
+                );
                 self.tool_traces.push((*index, trace));
             }
             Chunk::ToolCallArguments { index, fragment } => {
                 if let Some((_, trace)) = self.tool_traces.iter().find(|(open, _)| open == index) {
-                    hub.emit(
-                        turn,
-                        EventName::TraceDelta,
-                        &json!({"id": trace, "arguments": fragment}),
-                    );
+                    hub.emit(turn, EventName::TraceDelta, &json!({"id": trace, "arguments": fragment}));
                 }
             }
             Chunk::ToolCallEnd { index, .. } => {
-                if let Some(position) = self.tool_traces.iter().position(|(open, _)| open == index)
-                {
+                if let Some(position) = self.tool_traces.iter().position(|(open, _)| open == index) {
                     let (_, trace) = self.tool_traces.remove(position);
                     hub.emit(turn, EventName::TraceEnd, &json!({"id": trace}));
                 }

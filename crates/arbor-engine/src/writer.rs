@@ -92,8 +92,5 @@ async fn write_with_retries(store: &dyn Store, batch: &[Event]) {
             }
         }
     }
-    tracing::error!(
-        events = batch.len(),
-        "storing events failed five times; these events are only in memory"
-    );
+    tracing::error!(events = batch.len(), "storing events failed five times; these events are only in memory");
 }

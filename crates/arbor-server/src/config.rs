@@ -15,10 +15,7 @@ use serde::Deserialize;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("config file {path} is not valid: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("config: {0}")]
@@ -154,14 +151,10 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let raw = match path {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
-                toml::from_str(&text).map_err(|error| ConfigError::Parse {
-                    path: path.to_path_buf(),
-                    message: error.to_string(),
-                })?
+                let text = std::fs::read_to_string(path)
+                    .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+                toml::from_str(&text)
+                    .map_err(|error| ConfigError::Parse { path: path.to_path_buf(), message: error.to_string() })?
             }
             None => RawConfig::default(),
         };
@@ -174,10 +167,8 @@ impl Config {
         overrides: &Overrides,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|error| ConfigError::Parse {
-            path: PathBuf::from("<text>"),
-            message: error.to_string(),
-        })?;
+        let raw: RawConfig = toml::from_str(text)
+            .map_err(|error| ConfigError::Parse { path: PathBuf::from("<text>"), message: error.to_string() })?;
         Config::validate(raw, overrides, env)
     }
 
@@ -186,29 +177,14 @@ impl Config {
         overrides: &Overrides,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let listen_text = overrides
-            .listen
-            .clone()
-            .or(raw.server.listen)
-            .unwrap_or_else(|| "127.0.0.1:8080".into());
+        let listen_text = overrides.listen.clone().or(raw.server.listen).unwrap_or_else(|| "127.0.0.1:8080".into());
         let listen: SocketAddr = listen_text.parse().map_err(|_| {
-            ConfigError::Invalid(format!(
-                "listen address {listen_text:?} is not IP:PORT (e.g. 127.0.0.1:8080)"
-            ))
+            ConfigError::Invalid(format!("listen address {listen_text:?} is not IP:PORT (e.g. 127.0.0.1:8080)"))
         })?;
-        let data_dir = overrides
-            .data_dir
-            .clone()
-            .unwrap_or_else(|| PathBuf::from("./arbor-data"));
-        let database_url = raw
-            .storage
-            .database_url
-            .unwrap_or_else(|| format!("sqlite://{}", data_dir.join("arbor.db").display()));
-        let media_dir = raw
-            .storage
-            .media_dir
-            .map(PathBuf::from)
-            .unwrap_or_else(|| data_dir.join("media"));
+        let data_dir = overrides.data_dir.clone().unwrap_or_else(|| PathBuf::from("./arbor-data"));
+        let database_url =
+            raw.storage.database_url.unwrap_or_else(|| format!("sqlite://{}", data_dir.join("arbor.db").display()));
+        let media_dir = raw.storage.media_dir.map(PathBuf::from).unwrap_or_else(|| data_dir.join("media"));
 
         let mut providers = Vec::new();
         for (name, provider) in raw.providers {
@@ -256,33 +232,14 @@ impl Config {
 
         let defaults = arbor_engine::Limits::default();
         let limits = arbor_engine::Limits {
-            max_tool_rounds: raw
-                .limits
-                .max_tool_rounds
-                .unwrap_or(defaults.max_tool_rounds),
-            max_parallel_tools: raw
-                .limits
-                .max_parallel_tools
-                .unwrap_or(defaults.max_parallel_tools),
-            tool_timeout: raw
-                .limits
-                .tool_timeout_secs
-                .map(Duration::from_secs)
-                .unwrap_or(defaults.tool_timeout),
-            turn_timeout: raw
-                .limits
-                .turn_timeout_secs
-                .map(Duration::from_secs)
-                .unwrap_or(defaults.turn_timeout),
-            max_message_bytes: raw
-                .limits
-                .max_message_bytes
-                .unwrap_or(defaults.max_message_bytes),
+            max_tool_rounds: raw.limits.max_tool_rounds.unwrap_or(defaults.max_tool_rounds),
+            max_parallel_tools: raw.limits.max_parallel_tools.unwrap_or(defaults.max_parallel_tools),
+            tool_timeout: raw.limits.tool_timeout_secs.map(Duration::from_secs).unwrap_or(defaults.tool_timeout),
+            turn_timeout: raw.limits.turn_timeout_secs.map(Duration::from_secs).unwrap_or(defaults.turn_timeout),
+            max_message_bytes: raw.limits.max_message_bytes.unwrap_or(defaults.max_message_bytes),
         };
         if limits.turn_timeout.is_zero() {
-            return Err(ConfigError::Invalid(
-                "limits.turn_timeout_secs must be at least 1".into(),
-            ));
+            return Err(ConfigError::Invalid("limits.turn_timeout_secs must be at least 1".into()));
         }
         Ok(Config {
             listen,
@@ -309,8 +266,7 @@ mod tests {
 
     #[test]
     fn defaults_are_the_embedded_setup() {
-        let config =
-            Config::from_toml("", &Overrides::default(), &no_env).expect("empty config is valid");
+        let config = Config::from_toml("", &Overrides::default(), &no_env).expect("empty config is valid");
         assert_eq!(config.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(config.database_url, "sqlite://./arbor-data/arbor.db");
         assert!(config.providers.is_empty());
@@ -318,12 +274,9 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_refused_with_their_name() {
-        let error = Config::from_toml(
-            "[server]\nlisten = \"127.0.0.1:1\"\nlisen = 2\n",
-            &Overrides::default(),
-            &no_env,
-        )
-        .expect_err("typo");
+        let error =
+            Config::from_toml("[server]\nlisten = \"127.0.0.1:1\"\nlisen = 2\n", &Overrides::default(), &no_env)
+                .expect_err("typo");
         assert!(error.to_string().contains("lisen"), "{error}");
     }
 

@@ -19,17 +19,8 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(
-        status: StatusCode,
-        code: impl Into<String>,
-        message: impl Into<String>,
-    ) -> ApiError {
-        ApiError {
-            status,
-            code: code.into(),
-            message: message.into(),
-            extra: Map::new(),
-        }
+    pub fn new(status: StatusCode, code: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError { status, code: code.into(), message: message.into(), extra: Map::new() }
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -59,31 +50,20 @@ impl From<EngineError> for ApiError {
         let message = error.to_string();
         match error {
             EngineError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, "not_found", message),
-            EngineError::InvalidInput(_) => {
-                ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
-            }
+            EngineError::InvalidInput(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message),
             EngineError::UnknownModel(model) => {
-                ApiError::new(StatusCode::BAD_REQUEST, "unknown_model", message)
-                    .with("model", model)
+                ApiError::new(StatusCode::BAD_REQUEST, "unknown_model", message).with("model", model)
             }
-            EngineError::ModelUnavailable(_) => {
-                ApiError::new(StatusCode::BAD_REQUEST, "model_unavailable", message)
-            }
+            EngineError::ModelUnavailable(_) => ApiError::new(StatusCode::BAD_REQUEST, "model_unavailable", message),
             EngineError::TurnRunning { turn_id } => {
-                ApiError::new(StatusCode::CONFLICT, "turn_running", message)
-                    .with("turn_id", turn_id)
+                ApiError::new(StatusCode::CONFLICT, "turn_running", message).with("turn_id", turn_id)
             }
             EngineError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", message),
             EngineError::HeadVersionMismatch { current } => {
-                ApiError::new(StatusCode::CONFLICT, "head_version_mismatch", message)
-                    .with("head_version", current)
+                ApiError::new(StatusCode::CONFLICT, "head_version_mismatch", message).with("head_version", current)
             }
-            EngineError::QuotaExceeded => {
-                ApiError::new(StatusCode::PAYMENT_REQUIRED, "quota_exceeded", message)
-            }
-            EngineError::ShuttingDown => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
-            }
+            EngineError::QuotaExceeded => ApiError::new(StatusCode::PAYMENT_REQUIRED, "quota_exceeded", message),
+            EngineError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message),
             EngineError::Store(_) | EngineError::Internal(_) => {
                 tracing::error!(error = %message, "request failed on a server fault");
                 ApiError::new(
@@ -100,11 +80,7 @@ impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> ApiError {
         let status = rejection.status();
         if status == StatusCode::PAYLOAD_TOO_LARGE {
-            return ApiError::new(
-                status,
-                "payload_too_large",
-                "the request body is larger than this server accepts",
-            );
+            return ApiError::new(status, "payload_too_large", "the request body is larger than this server accepts");
         }
         if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
             return ApiError::new(
@@ -115,11 +91,7 @@ impl From<JsonRejection> for ApiError {
         }
         // Broken syntax and well-formed JSON of the wrong shape (a missing
         // or unknown field, a wrong type) are both the caller's bad input.
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_json",
-            rejection.body_text(),
-        )
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", rejection.body_text())
     }
 }
 

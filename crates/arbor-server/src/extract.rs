@@ -28,11 +28,7 @@ impl FromRequestParts<AppState> for Caller {
             .map(str::trim)
             .filter(|key| !key.is_empty() && key.len() <= 256)
             .ok_or_else(ApiError::unauthorized)?;
-        let user = state
-            .engine
-            .authenticate(key)
-            .await?
-            .ok_or_else(ApiError::unauthorized)?;
+        let user = state.engine.authenticate(key).await?.ok_or_else(ApiError::unauthorized)?;
         Ok(Caller(user))
     }
 }
@@ -57,8 +53,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Query<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Query<T>, ApiError> {
-        let axum::extract::Query(value) =
-            axum::extract::Query::<T>::from_request_parts(parts, state).await?;
+        let axum::extract::Query(value) = axum::extract::Query::<T>::from_request_parts(parts, state).await?;
         Ok(Query(value))
     }
 }

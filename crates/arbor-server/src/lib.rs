@@ -39,13 +39,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .merge(routes::meta::router())
         .merge(routes::conversations::router())
         .merge(routes::turns::router())
-        .fallback(|| async {
-            ApiError::new(
-                axum::http::StatusCode::NOT_FOUND,
-                "not_found",
-                "no such route",
-            )
-        })
+        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(middleware::from_fn(log_request))
         .with_state(state)
@@ -87,17 +81,13 @@ pub async fn serve(
     let engine = state.engine.clone();
     let streams_end = state.streams_end.clone();
     let app = router(state, max_body_bytes);
-    let server =
-        axum::serve(listener, app).with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+    let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
     let mut server = tokio::spawn(server.into_future());
     tokio::select! {
         result = &mut server => return result.map_err(std::io::Error::other)?,
         () = shutdown => {}
     }
-    tracing::info!(
-        grace_secs = grace.as_secs(),
-        "stopping: no new requests; running turns may finish"
-    );
+    tracing::info!(grace_secs = grace.as_secs(), "stopping: no new requests; running turns may finish");
     stop_accepting.cancel();
     engine.shutdown(grace).await;
     streams_end.cancel();

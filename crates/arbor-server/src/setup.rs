@@ -16,10 +16,7 @@ use crate::config::{Config, ProviderConfig, ProviderKind};
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
     #[error("cannot create the data directory {path}: {source}")]
-    DataDir {
-        path: String,
-        source: std::io::Error,
-    },
+    DataDir { path: String, source: std::io::Error },
     #[error("cannot open the database: {0}")]
     Store(#[from] arbor_store::StoreError),
     #[error("{0}")]
@@ -46,50 +43,29 @@ pub async fn build(config: Config, create_admin: bool) -> Result<App, SetupError
     let engine = build_engine(&config).await?;
     let first_admin = if create_admin && engine.store().count_users().await? == 0 {
         let (user, key) = engine.create_user("admin", true).await?;
-        Some(FirstAdmin {
-            name: user.name,
-            key,
-        })
+        Some(FirstAdmin { name: user.name, key })
     } else {
         None
     };
-    let state = AppState {
-        engine,
-        streams_end: CancellationToken::new(),
-    };
-    Ok(App {
-        state,
-        config,
-        first_admin,
-    })
+    let state = AppState { engine, streams_end: CancellationToken::new() };
+    Ok(App { state, config, first_admin })
 }
 
 /// The store and engine alone (the CLI's user and key commands).
 pub async fn build_engine(config: &Config) -> Result<Engine, SetupError> {
     for dir in [&config.data_dir, &config.media_dir] {
-        std::fs::create_dir_all(dir).map_err(|source| SetupError::DataDir {
-            path: dir.display().to_string(),
-            source,
-        })?;
+        std::fs::create_dir_all(dir)
+            .map_err(|source| SetupError::DataDir { path: dir.display().to_string(), source })?;
     }
     let store = arbor_store::open(&config.database_url).await?;
     let models = build_models(config)?;
-    Ok(Engine::start(
-        store,
-        models,
-        EngineConfig {
-            limits: config.limits.clone(),
-        },
-    )
-    .await?)
+    Ok(Engine::start(store, models, EngineConfig { limits: config.limits.clone() }).await?)
 }
 
 /// The registry (shipped + config) and one adapter per configured provider.
 pub fn build_models(config: &Config) -> Result<Models, SetupError> {
     let mut registry = Registry::shipped();
-    registry
-        .apply(config.models.clone())
-        .map_err(|error| SetupError::Config(error.to_string()))?;
+    registry.apply(config.models.clone()).map_err(|error| SetupError::Config(error.to_string()))?;
     let mut providers: HashMap<String, Arc<dyn Provider>> = HashMap::new();
     providers.insert("demo".into(), Arc::new(DemoProvider::default()));
     for provider in &config.providers {
@@ -105,17 +81,10 @@ pub fn build_models(config: &Config) -> Result<Models, SetupError> {
 
 /// With no default configured: a real provider's everyday model when one is
 /// configured, else the offline demo.
-fn preferred_default(
-    registry: &Registry,
-    providers: &HashMap<String, Arc<dyn Provider>>,
-) -> String {
+fn preferred_default(registry: &Registry, providers: &HashMap<String, Arc<dyn Provider>>) -> String {
     ["gpt-4o-mini", "claude-sonnet-4-5", "gemini-2.5-flash"]
         .into_iter()
-        .find(|model| {
-            registry
-                .get(model)
-                .is_some_and(|info| providers.contains_key(&info.provider))
-        })
+        .find(|model| registry.get(model).is_some_and(|info| providers.contains_key(&info.provider)))
         .unwrap_or("demo")
         .to_string()
 }

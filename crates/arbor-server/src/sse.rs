@@ -19,12 +19,7 @@ pub fn respond(
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let stream = events
         .filter(move |event| std::future::ready(visibility.shows(event.name)))
-        .map(|event| {
-            Ok(SseEvent::default()
-                .id(event.seq.to_string())
-                .event(event.name.as_str())
-                .data(&*event.data))
-        })
+        .map(|event| Ok(SseEvent::default().id(event.seq.to_string()).event(event.name.as_str()).data(&*event.data)))
         .take_until(shutdown.cancelled_owned());
     Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
@@ -34,9 +29,7 @@ pub fn visibility(text: Option<&str>) -> Result<Visibility, crate::error::ApiErr
     match text {
         None => Ok(Visibility::Full),
         Some(text) => Visibility::parse(text).ok_or_else(|| {
-            crate::error::ApiError::bad_request(format!(
-                "visibility {text:?} is not one of minimal, compact, full"
-            ))
+            crate::error::ApiError::bad_request(format!("visibility {text:?} is not one of minimal, compact, full"))
         }),
     }
 }

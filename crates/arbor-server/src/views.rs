@@ -42,13 +42,8 @@ pub fn nodes(nodes: &[Node]) -> Vec<Value> {
 }
 
 pub fn turn(turn: &Turn) -> Value {
-    let cost = Cost {
-        micro_usd: turn.cost_micro_usd,
-    };
-    let error = turn
-        .error_code
-        .as_ref()
-        .map(|code| json!({"code": code, "message": turn.error_message}));
+    let cost = Cost { micro_usd: turn.cost_micro_usd };
+    let error = turn.error_code.as_ref().map(|code| json!({"code": code, "message": turn.error_message}));
     json!({
         "id": turn.id,
         "conversation_id": turn.conversation_id,
@@ -70,9 +65,7 @@ pub fn turn(turn: &Turn) -> Value {
 }
 
 pub fn api_call(call: &ApiCall) -> Value {
-    let cost = Cost {
-        micro_usd: call.cost_micro_usd,
-    };
+    let cost = Cost { micro_usd: call.cost_micro_usd };
     json!({
         "id": call.id,
         "kind": call.kind,

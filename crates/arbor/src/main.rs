@@ -10,11 +10,7 @@ use arbor_server::config::{Config, Overrides};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "arbor",
-    version,
-    about = "A self-hosted LLM conversation engine"
-)]
+#[command(name = "arbor", version, about = "A self-hosted LLM conversation engine")]
 struct Cli {
     /// Log level filter (overrides RUST_LOG), e.g. `info` or `arbor=debug`.
     #[arg(long, global = true)]
@@ -88,10 +84,8 @@ fn main() -> anyhow::Result<()> {
     init_logging(cli.log_level.as_deref());
     // reqwest is built without a default TLS crypto provider; pick ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     runtime.block_on(run(cli.command))
 }
 
@@ -102,40 +96,25 @@ fn init_logging(level: Option<&str>) {
         None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
     };
     // Logs go to stderr so that stdout carries only what scripts read.
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
 fn load(common: &Common, listen: Option<String>) -> anyhow::Result<Config> {
-    let overrides = Overrides {
-        listen,
-        data_dir: common.data_dir.clone(),
-    };
+    let overrides = Overrides { listen, data_dir: common.data_dir.clone() };
     Ok(Config::load(common.config.as_deref(), &overrides)?)
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { common, listen } => serve(load(&common, listen)?).await,
-        Command::Users {
-            command:
-                UsersCommand::Add {
-                    name,
-                    admin,
-                    common,
-                },
-        } => {
+        Command::Users { command: UsersCommand::Add { name, admin, common } } => {
             let engine = arbor_server::setup::build_engine(&load(&common, None)?).await?;
             let (_, key) = engine.create_user(&name, admin).await?;
             engine.flush_events().await;
             println!("{key}");
             Ok(())
         }
-        Command::Keys {
-            command: KeysCommand::Create { user, common },
-        } => {
+        Command::Keys { command: KeysCommand::Create { user, common } } => {
             let engine = arbor_server::setup::build_engine(&load(&common, None)?).await?;
             let key = engine.create_key(&user).await?;
             println!("{key}");
@@ -155,31 +134,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let app = arbor_server::setup::build(config, true).await?;
     if let Some(admin) = &app.first_admin {
         // Shown once: only the hash is stored.
-        println!(
-            "Created the first user, {:?} (admin). Its API key, shown only this once:",
-            admin.name
-        );
+        println!("Created the first user, {:?} (admin). Its API key, shown only this once:", admin.name);
         println!();
         println!("    {}", admin.key);
         println!();
-        println!(
-            "Use it as:  curl -H 'Authorization: Bearer {}' http://{listen}/v1/models",
-            admin.key
-        );
+        println!("Use it as:  curl -H 'Authorization: Bearer {}' http://{listen}/v1/models", admin.key);
     }
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
     let default_model = app.state.engine.models().default_model().to_string();
     tracing::info!(address = %listener.local_addr()?, %default_model, database = %redact_url(&app.config.database_url), "arbor is serving");
-    arbor_server::serve(
-        listener,
-        app.state,
-        app.config.max_body_bytes,
-        app.config.shutdown_grace,
-        shutdown_signal(),
-    )
-    .await?;
+    arbor_server::serve(listener, app.state, app.config.max_body_bytes, app.config.shutdown_grace, shutdown_signal())
+        .await?;
     Ok(())
 }
 

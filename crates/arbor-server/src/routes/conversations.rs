@@ -19,10 +19,7 @@ use crate::views;
 pub fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/conversations", get(list).post(create))
-        .route(
-            "/v1/conversations/{id}",
-            get(read).patch(update).delete(remove),
-        )
+        .route("/v1/conversations/{id}", get(read).patch(update).delete(remove))
 }
 
 #[derive(Deserialize)]
@@ -42,17 +39,10 @@ async fn create(
         .engine
         .create_conversation(
             &user,
-            NewConversation {
-                title: body.title,
-                model: body.model,
-                system_prompt: body.system_prompt,
-            },
+            NewConversation { title: body.title, model: body.model, system_prompt: body.system_prompt },
         )
         .await?;
-    Ok((
-        StatusCode::CREATED,
-        axum::Json(views::conversation(&conversation)),
-    ))
+    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))))
 }
 
 #[derive(Deserialize)]
@@ -70,45 +60,47 @@ async fn list(
 ) -> ApiResult<impl IntoResponse> {
     let cursor = query.cursor.as_deref().map(parse_cursor).transpose()?;
     let limit = query.limit.unwrap_or(20).clamp(1, 100);
-    let conversations = state
-        .engine
-        .list_conversations(&user, cursor, limit)
-        .await?;
+    let conversations = state.engine.list_conversations(&user, cursor, limit).await?;
     let next_cursor = (conversations.len() == limit as usize)
-        .then(|| {
-            conversations
-                .last()
-                .map(|last| format!("{}.{}", last.created_at, last.id))
-        })
+        .then(|| conversations.last().map(|last| format!("{}.{}", last.created_at, last.id)))
         .flatten();
     let items: Vec<_> = conversations.iter().map(views::conversation).collect();
-    Ok(axum::Json(
-        json!({ "conversations": items, "next_cursor": next_cursor }),
-    ))
+    Ok(axum::Json(json!({ "conversations": items, "next_cursor": next_cursor })))
 }
 
 fn parse_cursor(text: &str) -> ApiResult<ConversationCursor> {
-    let invalid = || {
-        ApiError::bad_request(format!(
-            "cursor {text:?} is not valid: pass the next_cursor of the previous page"
-        ))
-    };
+    let invalid =
+        || ApiError::bad_request(format!("cursor {text:?} is not valid: pass the next_cursor of the previous page"));
     let (millis, id) = text.split_once('.').ok_or_else(invalid)?;
     let created_at = millis.parse().map_err(|_| invalid())?;
-    Ok(ConversationCursor {
-        created_at,
-        id: id.to_string(),
-    })
+    Ok(ConversationCursor { created_at, id: id.to_string() })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReadQuery {
+    /// `1`: only the active path (root to head), not the whole tree.
+    path: Option<u8>,
 }
 
 async fn read(
     State(state): State<AppState>,
     Caller(user): Caller,
     Path(id): Path<String>,
+    Query(query): Query<ReadQuery>,
 ) -> ApiResult<impl IntoResponse> {
     let tree = state.engine.conversation_tree(&user, &id).await?;
     let mut body = views::conversation(&tree.conversation);
-    body["messages"] = json!(views::nodes(&tree.messages));
+    let messages = match (query.path, &tree.conversation.head_id) {
+        (Some(1), Some(head)) => {
+            let index = arbor_core::tree::Tree::new(tree.messages);
+            index.path_to(head).into_iter().cloned().collect()
+        }
+        (Some(1), None) => Vec::new(),
+        (Some(0) | None, _) => tree.messages,
+        (Some(other), _) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
+    };
+    body["messages"] = json!(views::nodes(&messages));
     Ok(axum::Json(body))
 }
 
@@ -126,12 +118,8 @@ async fn update(
     Path(id): Path<String>,
     Json(body): Json<UpdateRequest>,
 ) -> ApiResult<impl IntoResponse> {
-    let update = ConversationUpdate {
-        title: body.title,
-        system_prompt: body.system_prompt,
-        model: body.model,
-        updated_at: 0,
-    };
+    let update =
+        ConversationUpdate { title: body.title, system_prompt: body.system_prompt, model: body.model, updated_at: 0 };
     let conversation = state.engine.update_conversation(&user, &id, update).await?;
     Ok(axum::Json(views::conversation(&conversation)))
 }

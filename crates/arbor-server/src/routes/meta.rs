@@ -10,10 +10,7 @@ use crate::AppState;
 use crate::extract::Caller;
 
 pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/healthz", get(health))
-        .route("/v1/models", get(models))
-        .route("/v1/me", get(me))
+    Router::new().route("/healthz", get(health)).route("/v1/models", get(models)).route("/v1/me", get(me))
 }
 
 /// Answers once the server is ready (store opened, engine started).

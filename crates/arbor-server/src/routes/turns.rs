@@ -2,7 +2,8 @@
 //! with `Accept: text/event-stream`, else answered as JSON when it ends),
 //! plus reading and cancelling turns and tailing a conversation's events.
 
-use arbor_engine::{Submit, TurnOutcome, Until};
+use arbor_core::tree::ViewMessage;
+use arbor_engine::{QueueMode, Submit, Submitted, TurnHandle, TurnOutcome, Until};
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::header::ACCEPT;
@@ -20,21 +21,47 @@ use crate::{sse, views};
 pub fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/conversations/{id}/messages", post(submit))
+        .route("/v1/conversations/{id}/regenerate", post(regenerate))
+        .route("/v1/conversations/{id}/head", axum::routing::put(move_head))
+        .route("/v1/conversations/{id}/fork", post(fork))
         .route("/v1/conversations/{id}/events", get(events))
         .route("/v1/conversations/{id}/turns/{turn}", get(read_turn))
-        .route(
-            "/v1/conversations/{id}/turns/{turn}/cancel",
-            post(cancel_turn),
-        )
+        .route("/v1/conversations/{id}/turns/{turn}/cancel", post(cancel_turn))
+}
+
+/// `queue`: `false` (409 while a turn runs), `true` (wait in line) or
+/// `"merge"` (join the next turn).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum QueueField {
+    Flag(bool),
+    Word(String),
+}
+
+fn queue_mode(field: Option<QueueField>) -> ApiResult<QueueMode> {
+    match field {
+        None | Some(QueueField::Flag(false)) => Ok(QueueMode::Refuse),
+        Some(QueueField::Flag(true)) => Ok(QueueMode::Fifo),
+        Some(QueueField::Word(word)) if word == "merge" => Ok(QueueMode::Merge),
+        Some(QueueField::Word(word)) => {
+            Err(ApiError::bad_request(format!("queue {word:?} is not one of false, true, \"merge\"")))
+        }
+    }
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SubmitRequest {
-    content: String,
-    model: Option<String>,
+    /// The simple form: one message under the head (or `parent_id`).
+    content: Option<String>,
     id: Option<String>,
     parent_id: Option<String>,
+    /// The view form: the client's view of the path.
+    messages: Option<Vec<ViewMessage>>,
+    model: Option<String>,
+    queue: Option<QueueField>,
+    run: Option<bool>,
+    if_head_version: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -45,10 +72,7 @@ struct StreamQuery {
 }
 
 fn wants_event_stream(headers: &HeaderMap) -> bool {
-    headers
-        .get(ACCEPT)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|accept| accept.contains("text/event-stream"))
+    headers.get(ACCEPT).and_then(|value| value.to_str().ok()).is_some_and(|accept| accept.contains("text/event-stream"))
 }
 
 async fn submit(
@@ -60,26 +84,115 @@ async fn submit(
     Json(body): Json<SubmitRequest>,
 ) -> ApiResult<Response> {
     let visibility = sse::visibility(query.visibility.as_deref())?;
-    let submit = Submit {
-        content: body.content,
-        model: body.model,
-        id: body.id,
-        parent_id: body.parent_id,
+    let submit = match (body.content, body.messages) {
+        (Some(content), None) => Submit { content, id: body.id, parent_id: body.parent_id, ..Submit::default() },
+        (None, Some(view)) => {
+            if body.id.is_some() || body.parent_id.is_some() {
+                return Err(ApiError::bad_request(
+                    "id and parent_id go with content; in a view, give each message its id",
+                ));
+            }
+            Submit { view: Some(view), ..Submit::default() }
+        }
+        (Some(_), Some(_)) => return Err(ApiError::bad_request("send either content or messages, not both")),
+        (None, None) => {
+            return Err(ApiError::bad_request("send content (a message) or messages (your view of the path)"));
+        }
     };
-    let handle = state.engine.submit(&user, &id, submit).await?;
-    if wants_event_stream(&headers) {
-        return Ok(
-            sse::respond(handle.events, visibility, state.streams_end.clone()).into_response(),
-        );
+    let submit = Submit {
+        model: body.model,
+        queue: queue_mode(body.queue)?,
+        run: body.run.unwrap_or(true),
+        if_head_version: body.if_head_version,
+        ..submit
+    };
+    match state.engine.submit(&user, &id, submit).await? {
+        Submitted::Turn(handle) => respond_turn(&state, *handle, wants_event_stream(&headers), visibility).await,
+        Submitted::Recorded { messages, head_id, head_version } => Ok((
+            StatusCode::CREATED,
+            axum::Json(json!({"messages": views::nodes(&messages), "head_id": head_id, "head_version": head_version})),
+        )
+            .into_response()),
+        Submitted::HeadMoved { head_id, head_version } => {
+            Ok(axum::Json(json!({"head_id": head_id, "head_version": head_version})).into_response())
+        }
+    }
+}
+
+/// A started (or queued) turn: its SSE stream, or its outcome as JSON.
+async fn respond_turn(
+    state: &AppState,
+    handle: TurnHandle,
+    stream: bool,
+    visibility: arbor_core::event::Visibility,
+) -> ApiResult<Response> {
+    if stream {
+        return Ok(sse::respond(handle.events, visibility, state.streams_end.clone()).into_response());
     }
     let outcome = handle.outcome().await?;
     Ok(outcome_response(&outcome))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegenerateRequest {
+    message_id: Option<String>,
+    model: Option<String>,
+    queue: Option<QueueField>,
+}
+
+async fn regenerate(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+    Query(query): Query<StreamQuery>,
+    headers: HeaderMap,
+    Json(body): Json<RegenerateRequest>,
+) -> ApiResult<Response> {
+    let visibility = sse::visibility(query.visibility.as_deref())?;
+    let queue = queue_mode(body.queue)?;
+    let handle = state.engine.regenerate(&user, &id, body.message_id.as_deref(), body.model.as_deref(), queue).await?;
+    respond_turn(&state, handle, wants_event_stream(&headers), visibility).await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HeadRequest {
+    message_id: String,
+    if_head_version: Option<i64>,
+}
+
+async fn move_head(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+    Json(body): Json<HeadRequest>,
+) -> ApiResult<impl IntoResponse> {
+    let head_version = state.engine.set_head(&user, &id, &body.message_id, body.if_head_version).await?;
+    Ok(axum::Json(json!({"head_id": body.message_id, "head_version": head_version})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkRequest {
+    message_id: String,
+}
+
+async fn fork(
+    State(state): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+    Json(body): Json<ForkRequest>,
+) -> ApiResult<impl IntoResponse> {
+    let conversation = state.engine.fork(&user, &id, &body.message_id).await?;
+    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))))
 }
 
 /// The JSON answer of a finished turn: 200 with the reply, or the turn's
 /// error with a status that says whose fault it was.
 fn outcome_response(outcome: &TurnOutcome) -> Response {
     let body = json!({
+        "head_version": outcome.head_version,
         "turn": views::turn(&outcome.turn),
         "message": outcome.reply.as_ref().map(|reply| views::nodes(std::slice::from_ref(reply)).remove(0)),
     });
@@ -88,9 +201,7 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
     };
     let status = match code {
         "rate_limit" => StatusCode::TOO_MANY_REQUESTS,
-        "context_length_exceeded" | "invalid_request" | "content_filter" => {
-            StatusCode::UNPROCESSABLE_ENTITY
-        }
+        "context_length_exceeded" | "invalid_request" | "content_filter" => StatusCode::UNPROCESSABLE_ENTITY,
         "timeout" => StatusCode::GATEWAY_TIMEOUT,
         "cancelled" | "interrupted" => StatusCode::CONFLICT,
         _ => StatusCode::BAD_GATEWAY,
@@ -111,26 +222,18 @@ async fn events(
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let visibility = sse::visibility(query.visibility.as_deref())?;
-    let last_event_id = headers
-        .get("last-event-id")
-        .and_then(|value| value.to_str().ok())
-        .map(str::trim);
+    let last_event_id = headers.get("last-event-id").and_then(|value| value.to_str().ok()).map(str::trim);
     let after = match (query.after, last_event_id) {
         (Some(after), _) => after,
-        (None, Some(text)) => text.parse().map_err(|_| {
-            ApiError::bad_request(format!(
-                "Last-Event-ID {text:?} is not an event id (a number)"
-            ))
-        })?,
+        (None, Some(text)) => text
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("Last-Event-ID {text:?} is not an event id (a number)")))?,
         (None, None) => 0,
     };
     if after < 0 {
         return Err(ApiError::bad_request("after must be 0 or more"));
     }
-    let stream = state
-        .engine
-        .events(&user, &id, after, Until::Forever)
-        .await?;
+    let stream = state.engine.events(&user, &id, after, Until::Forever).await?;
     Ok(sse::respond(stream, visibility, state.streams_end.clone()).into_response())
 }
 
@@ -141,13 +244,7 @@ async fn read_turn(
 ) -> ApiResult<impl IntoResponse> {
     let details = state.engine.turn_details(&user, &id, &turn).await?;
     let mut body = views::turn(&details.turn);
-    body["api_calls"] = json!(
-        details
-            .api_calls
-            .iter()
-            .map(views::api_call)
-            .collect::<Vec<_>>()
-    );
+    body["api_calls"] = json!(details.api_calls.iter().map(views::api_call).collect::<Vec<_>>());
     Ok(axum::Json(body))
 }
 

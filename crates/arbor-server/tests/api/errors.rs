@@ -7,33 +7,18 @@ use serde_json::json;
 #[tokio::test]
 async fn missing_or_wrong_keys_are_refused_with_401() {
     let app = spawn_app().await;
-    let response = app
-        .client
-        .get(app.url("/v1/conversations"))
-        .send()
-        .await
-        .expect("sent");
+    let response = app.client.get(app.url("/v1/conversations")).send().await.expect("sent");
     assert_eq!(response.status(), 401);
     let body: serde_json::Value = response.json().await.expect("json error body");
     assert_eq!(body["error"]["code"], "unauthorized");
 
     let wrong = app.get("arb_0000", "/v1/conversations").await;
     assert_eq!(wrong.status, 401);
-    let malformed = app
-        .client
-        .get(app.url("/v1/models"))
-        .header("authorization", "Basic abc")
-        .send()
-        .await
-        .expect("sent");
+    let malformed =
+        app.client.get(app.url("/v1/models")).header("authorization", "Basic abc").send().await.expect("sent");
     assert_eq!(malformed.status(), 401);
     // Health needs no key.
-    let health = app
-        .client
-        .get(app.url("/healthz"))
-        .send()
-        .await
-        .expect("sent");
+    let health = app.client.get(app.url("/healthz")).send().await.expect("sent");
     assert_eq!(health.status(), 200);
 }
 
@@ -44,56 +29,29 @@ async fn malformed_json_and_unknown_fields_are_400_naming_the_problem() {
     let conversation = app.new_conversation(&key, json!({})).await;
     let path = format!("/v1/conversations/{conversation}/messages");
 
-    let broken = app
-        .send_raw(&key, Method::POST, &path, "{\"content\": ".into())
-        .await;
+    let broken = app.send_raw(&key, Method::POST, &path, "{\"content\": ".into()).await;
     assert_eq!(broken.status, 400, "{:?}", broken.body);
     assert_eq!(broken.body["error"]["code"], "invalid_json");
 
-    let unknown = app
-        .post(&key, &path, &json!({"content": "hi", "colour": "red"}))
-        .await;
+    let unknown = app.post(&key, &path, &json!({"content": "hi", "colour": "red"})).await;
     assert_eq!(unknown.status, 400);
-    assert!(
-        unknown.body["error"]["message"]
-            .as_str()
-            .expect("message")
-            .contains("colour"),
-        "{:?}",
-        unknown.body
-    );
+    assert!(unknown.body["error"]["message"].as_str().expect("message").contains("colour"), "{:?}", unknown.body);
 
     let wrong_type = app.post(&key, &path, &json!({"content": 5})).await;
     assert_eq!(wrong_type.status, 400);
 
     let empty = app.post(&key, &path, &json!({"content": "   "})).await;
     assert_eq!(empty.status, 400);
-    assert!(
-        empty.body["error"]["message"]
-            .as_str()
-            .expect("message")
-            .contains("empty")
-    );
+    assert!(empty.body["error"]["message"].as_str().expect("message").contains("empty"));
 
-    let bad_conversation = app
-        .post(
-            &key,
-            "/v1/conversations",
-            &json!({"title": "x", "extra": 1}),
-        )
-        .await;
+    let bad_conversation = app.post(&key, "/v1/conversations", &json!({"title": "x", "extra": 1})).await;
     assert_eq!(bad_conversation.status, 400);
 
     // Nothing was written by any of these.
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
     assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0);
     let list = app.get(&key, "/v1/conversations").await;
-    assert_eq!(
-        list.body["conversations"].as_array().expect("list").len(),
-        1
-    );
+    assert_eq!(list.body["conversations"].as_array().expect("list").len(), 1);
 }
 
 #[tokio::test]
@@ -101,31 +59,16 @@ async fn someone_elses_conversation_is_404_exactly_like_a_missing_one() {
     let app = spawn_app().await;
     let alice = app.new_user("alice").await;
     let bob = app.new_user("bob").await;
-    let conversation = app
-        .new_conversation(&alice, json!({"title": "private"}))
-        .await;
+    let conversation = app.new_conversation(&alice, json!({"title": "private"})).await;
 
-    let theirs = app
-        .get(&bob, &format!("/v1/conversations/{conversation}"))
-        .await;
+    let theirs = app.get(&bob, &format!("/v1/conversations/{conversation}")).await;
     let missing = app.get(&bob, "/v1/conversations/does-not-exist").await;
     assert_eq!(theirs.status, 404);
-    assert_eq!(
-        theirs.body, missing.body,
-        "no difference an attacker could see"
-    );
+    assert_eq!(theirs.body, missing.body, "no difference an attacker could see");
 
-    let post = app
-        .post(
-            &bob,
-            &format!("/v1/conversations/{conversation}/messages"),
-            &json!({"content": "hi"}),
-        )
-        .await;
+    let post = app.post(&bob, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "hi"})).await;
     assert_eq!(post.status, 404);
-    let events = app
-        .get(&bob, &format!("/v1/conversations/{conversation}/events"))
-        .await;
+    let events = app.get(&bob, &format!("/v1/conversations/{conversation}/events")).await;
     assert_eq!(events.status, 404);
     let patch = app
         .send_raw(
@@ -136,25 +79,13 @@ async fn someone_elses_conversation_is_404_exactly_like_a_missing_one() {
         )
         .await;
     assert_eq!(patch.status, 404);
-    let delete = app
-        .send_raw(
-            &bob,
-            Method::DELETE,
-            &format!("/v1/conversations/{conversation}"),
-            String::new(),
-        )
-        .await;
+    let delete = app.send_raw(&bob, Method::DELETE, &format!("/v1/conversations/{conversation}"), String::new()).await;
     assert_eq!(delete.status, 404);
 
     // Bob's list does not show it; Alice's conversation is untouched.
     let list = app.get(&bob, "/v1/conversations").await;
-    assert_eq!(
-        list.body["conversations"].as_array().expect("list").len(),
-        0
-    );
-    let still = app
-        .get(&alice, &format!("/v1/conversations/{conversation}"))
-        .await;
+    assert_eq!(list.body["conversations"].as_array().expect("list").len(), 0);
+    let still = app.get(&alice, &format!("/v1/conversations/{conversation}")).await;
     assert_eq!(still.status, 200);
     assert_eq!(still.body["title"], "private");
 }
@@ -163,66 +94,38 @@ async fn someone_elses_conversation_is_404_exactly_like_a_missing_one() {
 async fn unknown_models_are_400_naming_the_model() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
-    let create = app
-        .post(&key, "/v1/conversations", &json!({"model": "gpt-9-ultra"}))
-        .await;
+    let create = app.post(&key, "/v1/conversations", &json!({"model": "gpt-9-ultra"})).await;
     assert_eq!(create.status, 400);
     assert_eq!(create.body["error"]["code"], "unknown_model");
-    assert!(
-        create.body["error"]["message"]
-            .as_str()
-            .expect("message")
-            .contains("gpt-9-ultra")
-    );
+    assert!(create.body["error"]["message"].as_str().expect("message").contains("gpt-9-ultra"));
 
     let conversation = app.new_conversation(&key, json!({})).await;
     let path = format!("/v1/conversations/{conversation}/messages");
-    let submit = app
-        .post(&key, &path, &json!({"content": "hi", "model": "nope-1"}))
-        .await;
+    let submit = app.post(&key, &path, &json!({"content": "hi", "model": "nope-1"})).await;
     assert_eq!(submit.status, 400);
-    assert!(
-        submit.body["error"]["message"]
-            .as_str()
-            .expect("message")
-            .contains("nope-1")
-    );
+    assert!(submit.body["error"]["message"].as_str().expect("message").contains("nope-1"));
 
     // A known model whose provider is not configured is refused too.
-    let unconfigured = app
-        .post(&key, &path, &json!({"content": "hi", "model": "gpt-4o"}))
-        .await;
+    let unconfigured = app.post(&key, &path, &json!({"content": "hi", "model": "gpt-4o"})).await;
     assert_eq!(unconfigured.status, 400);
     assert_eq!(unconfigured.body["error"]["code"], "model_unavailable");
 
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
-    assert_eq!(
-        tree.body["messages"].as_array().expect("messages").len(),
-        0,
-        "the message was not recorded"
-    );
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0, "the message was not recorded");
 }
 
 #[tokio::test]
 async fn a_body_over_the_limit_is_413() {
-    let app = spawn_app_with(AppOptions {
-        config_toml: "[server]\nmax_body_bytes = 2048\n".into(),
-        ..AppOptions::default()
-    })
-    .await;
+    let app =
+        spawn_app_with(AppOptions { config_toml: "[server]\nmax_body_bytes = 2048\n".into(), ..AppOptions::default() })
+            .await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
     let path = format!("/v1/conversations/{conversation}/messages");
-    let big = app
-        .post(&key, &path, &json!({"content": "x".repeat(4096)}))
-        .await;
+    let big = app.post(&key, &path, &json!({"content": "x".repeat(4096)})).await;
     assert_eq!(big.status, 413, "{:?}", big.body);
     assert_eq!(big.body["error"]["code"], "payload_too_large");
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
     assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0);
 }
 
@@ -235,11 +138,6 @@ async fn bad_query_parameters_are_400() {
     let limit = app.get(&key, "/v1/conversations?limit=many").await;
     assert_eq!(limit.status, 400);
     let conversation = app.new_conversation(&key, json!({})).await;
-    let visibility = app
-        .get(
-            &key,
-            &format!("/v1/conversations/{conversation}/events?visibility=loud"),
-        )
-        .await;
+    let visibility = app.get(&key, &format!("/v1/conversations/{conversation}/events?visibility=loud")).await;
     assert_eq!(visibility.status, 400);
 }

@@ -4,4 +4,5 @@
 //! binary, so the workspace links it once.
 
 mod errors;
+mod tree;
 mod turns;

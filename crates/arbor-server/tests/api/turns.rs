@@ -27,35 +27,16 @@ async fn a_streamed_turn_sends_the_protocol_in_order_and_stores_everything() {
 
     let names: Vec<&str> = events.iter().map(|event| event.event.as_str()).collect();
     assert_eq!(&names[..3], ["turn.started", "message.new", "trace_start"]);
-    assert_eq!(
-        &names[names.len() - 3..],
-        ["trace_end", "message.new", "done"]
-    );
-    let deltas: Vec<&Value> = events
-        .iter()
-        .filter(|event| event.event == "delta")
-        .map(|event| &event.data)
-        .collect();
+    assert_eq!(&names[names.len() - 3..], ["trace_end", "message.new", "done"]);
+    let deltas: Vec<&Value> = events.iter().filter(|event| event.event == "delta").map(|event| &event.data).collect();
     assert!(deltas.len() >= 3, "the demo streams in several chunks");
-    let ids: Vec<i64> = events
-        .iter()
-        .map(|event| event.id.expect("every event has an id"))
-        .collect();
-    assert!(
-        ids.windows(2).all(|pair| pair[0] < pair[1]),
-        "ids increase: {ids:?}"
-    );
+    let ids: Vec<i64> = events.iter().map(|event| event.id.expect("every event has an id")).collect();
+    assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "ids increase: {ids:?}");
 
     assert_eq!(events[1].data["message"]["content"], "hello arbor");
     assert_eq!(events[2].data["type"], "llm_request");
-    let answer: String = deltas
-        .iter()
-        .map(|delta| delta["text"].as_str().expect("text"))
-        .collect();
-    assert!(
-        answer.contains("demo model") && answer.contains("hello arbor"),
-        "{answer}"
-    );
+    let answer: String = deltas.iter().map(|delta| delta["text"].as_str().expect("text")).collect();
+    assert!(answer.contains("demo model") && answer.contains("hello arbor"), "{answer}");
 
     let done = &events.last().expect("done").data;
     for field in [
@@ -77,27 +58,16 @@ async fn a_streamed_turn_sends_the_protocol_in_order_and_stores_everything() {
     assert!(done["cost_credits"].as_i64().expect("credits") > 0);
 
     // Stored: both messages, the head on the reply, the turn with its call.
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
     let messages = tree.body["messages"].as_array().expect("messages");
     assert_eq!(messages.len(), 2);
-    assert_eq!(
-        messages[1]["content"].as_str(),
-        Some(answer.as_str()),
-        "the stored reply is what was streamed"
-    );
+    assert_eq!(messages[1]["content"].as_str(), Some(answer.as_str()), "the stored reply is what was streamed");
     assert_eq!(messages[1]["parent_id"], messages[0]["id"]);
     assert_eq!(messages[1]["model"], "demo");
     assert_eq!(tree.body["head_id"], done["message_id"]);
 
     let turn_id = events[0].data["turn_id"].as_str().expect("turn id");
-    let turn = app
-        .get(
-            &key,
-            &format!("/v1/conversations/{conversation}/turns/{turn_id}"),
-        )
-        .await;
+    let turn = app.get(&key, &format!("/v1/conversations/{conversation}/turns/{turn_id}")).await;
     assert_eq!(turn.body["status"], "succeeded");
     let calls = turn.body["api_calls"].as_array().expect("api calls");
     assert_eq!(calls.len(), 1);
@@ -105,32 +75,14 @@ async fn a_streamed_turn_sends_the_protocol_in_order_and_stores_everything() {
     assert_eq!(calls[0]["input_tokens"], done["input_tokens"]);
 
     // The ledger charged exactly that.
-    let user = app
-        .engine
-        .authenticate(&key)
-        .await
-        .expect("auth")
-        .expect("user");
-    let ledger = app
-        .engine
-        .store()
-        .ledger(&user.id, 10)
-        .await
-        .expect("ledger");
+    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
+    let ledger = app.engine.store().ledger(&user.id, 10).await.expect("ledger");
     assert_eq!(ledger.len(), 1);
-    assert_eq!(
-        ledger[0].credits,
-        done["cost_credits"].as_i64().expect("credits")
-    );
+    assert_eq!(ledger[0].credits, done["cost_credits"].as_i64().expect("credits"));
 
     // Every event the client saw can be rebuilt from the store.
     app.engine.flush_events().await;
-    let stored = app
-        .engine
-        .store()
-        .events_after(&conversation, 0, 1000)
-        .await
-        .expect("events");
+    let stored = app.engine.store().events_after(&conversation, 0, 1000).await.expect("events");
     assert_eq!(stored.len(), events.len());
     for (stored, seen) in stored.iter().zip(&events) {
         assert_eq!(Some(stored.seq), seen.id);
@@ -143,60 +95,30 @@ async fn a_streamed_turn_sends_the_protocol_in_order_and_stores_everything() {
 async fn the_json_mode_waits_and_returns_the_turn_and_the_reply() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
-    let conversation = app
-        .new_conversation(&key, json!({"system_prompt": "be brief"}))
-        .await;
+    let conversation = app.new_conversation(&key, json!({"system_prompt": "be brief"})).await;
     let response = app
-        .post(
-            &key,
-            &format!("/v1/conversations/{conversation}/messages"),
-            &json!({"content": "ping", "id": "u1"}),
-        )
+        .post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "ping", "id": "u1"}))
         .await;
     assert_eq!(response.status, 200, "{:?}", response.body);
     assert_eq!(response.body["turn"]["status"], "succeeded");
     assert_eq!(response.body["turn"]["user_message_id"], "u1");
     assert_eq!(response.body["message"]["role"], "assistant");
     assert_eq!(response.body["message"]["parent_id"], "u1");
-    assert!(
-        response.body["message"]["content"]
-            .as_str()
-            .expect("content")
-            .contains("ping")
-    );
-    assert!(
-        response.body["turn"]["cost_credits"]
-            .as_i64()
-            .expect("cost")
-            > 0
-    );
+    assert!(response.body["message"]["content"].as_str().expect("content").contains("ping"));
+    assert!(response.body["turn"]["cost_credits"].as_i64().expect("cost") > 0);
 
     // A second message continues from the reply; re-using the id is refused.
     let again = app
-        .post(
-            &key,
-            &format!("/v1/conversations/{conversation}/messages"),
-            &json!({"content": "again", "id": "u1"}),
-        )
+        .post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "again", "id": "u1"}))
         .await;
     assert_eq!(again.status, 409);
-    let second = app
-        .post(
-            &key,
-            &format!("/v1/conversations/{conversation}/messages"),
-            &json!({"content": "pong"}),
-        )
-        .await;
+    let second =
+        app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "pong"})).await;
     assert_eq!(second.status, 200);
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
     let messages = tree.body["messages"].as_array().expect("messages");
     assert_eq!(messages.len(), 4);
-    assert_eq!(
-        messages[2]["parent_id"], messages[1]["id"],
-        "the next message hangs under the head"
-    );
+    assert_eq!(messages[2]["parent_id"], messages[1]["id"], "the next message hangs under the head");
 }
 
 #[tokio::test]
@@ -205,36 +127,16 @@ async fn conversations_are_listed_newest_first_in_pages() {
     let key = app.admin_key.clone();
     let mut created = Vec::new();
     for index in 0..5 {
-        created.push(
-            app.new_conversation(&key, json!({"title": format!("c{index}")}))
-                .await,
-        );
+        created.push(app.new_conversation(&key, json!({"title": format!("c{index}")})).await);
     }
     let first = app.get(&key, "/v1/conversations?limit=3").await;
-    let page: Vec<&str> = first.body["conversations"]
-        .as_array()
-        .expect("page")
-        .iter()
-        .map(|c| c["id"].as_str().expect("id"))
-        .collect();
-    assert_eq!(
-        page,
-        [
-            created[4].as_str(),
-            created[3].as_str(),
-            created[2].as_str()
-        ]
-    );
+    let page: Vec<&str> =
+        first.body["conversations"].as_array().expect("page").iter().map(|c| c["id"].as_str().expect("id")).collect();
+    assert_eq!(page, [created[4].as_str(), created[3].as_str(), created[2].as_str()]);
     let cursor = first.body["next_cursor"].as_str().expect("another page");
-    let second = app
-        .get(&key, &format!("/v1/conversations?limit=3&cursor={cursor}"))
-        .await;
-    let page: Vec<&str> = second.body["conversations"]
-        .as_array()
-        .expect("page")
-        .iter()
-        .map(|c| c["id"].as_str().expect("id"))
-        .collect();
+    let second = app.get(&key, &format!("/v1/conversations?limit=3&cursor={cursor}")).await;
+    let page: Vec<&str> =
+        second.body["conversations"].as_array().expect("page").iter().map(|c| c["id"].as_str().expect("id")).collect();
     assert_eq!(page, [created[1].as_str(), created[0].as_str()]);
     assert!(second.body["next_cursor"].is_null());
 }
@@ -244,53 +146,27 @@ async fn a_second_submit_during_a_turn_gets_409_naming_the_running_turn() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app
-        .engine
-        .authenticate(&key)
-        .await
-        .expect("auth")
-        .expect("user");
+    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
     let running = app
         .engine
-        .submit(
-            &user,
-            &conversation,
-            Submit {
-                content: "first".into(),
-                ..Submit::default()
-            },
-        )
+        .submit(&user, &conversation, Submit::message("first"))
         .await
-        .expect("first turn");
+        .expect("first turn")
+        .into_turn()
+        .expect("a turn");
 
-    let second = app
-        .post(
-            &key,
-            &format!("/v1/conversations/{conversation}/messages"),
-            &json!({"content": "second"}),
-        )
-        .await;
+    let second =
+        app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "second"})).await;
     assert_eq!(second.status, 409);
     assert_eq!(second.body["error"]["code"], "turn_running");
     assert_eq!(second.body["error"]["turn_id"], running.turn.id.as_str());
 
     let outcome = running.outcome().await.expect("first finishes");
     assert_eq!(outcome.turn.status.as_str(), "succeeded");
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
-    assert_eq!(
-        tree.body["messages"].as_array().expect("messages").len(),
-        2,
-        "the refused message was not recorded"
-    );
-    let third = app
-        .post(
-            &key,
-            &format!("/v1/conversations/{conversation}/messages"),
-            &json!({"content": "third"}),
-        )
-        .await;
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 2, "the refused message was not recorded");
+    let third =
+        app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "third"})).await;
     assert_eq!(third.status, 200, "the slot is free once the turn ended");
 }
 
@@ -308,14 +184,8 @@ async fn a_client_that_disconnects_does_not_stop_the_turn_and_can_resume() {
         )
         .await;
     let first_part = stream.until("delta", DEADLINE).await;
-    let last_seen = first_part
-        .last()
-        .and_then(|event| event.id)
-        .expect("an event id");
-    let turn_id = first_part[0].data["turn_id"]
-        .as_str()
-        .expect("turn id")
-        .to_string();
+    let last_seen = first_part.last().and_then(|event| event.id).expect("an event id");
+    let turn_id = first_part[0].data["turn_id"].as_str().expect("turn id").to_string();
     drop(stream);
 
     // Resume with Last-Event-ID: the rest arrives, nothing twice.
@@ -328,57 +198,32 @@ async fn a_client_that_disconnects_does_not_stop_the_turn_and_can_resume() {
         )
         .await;
     let rest = resumed.until("done", DEADLINE).await;
-    assert_eq!(
-        rest.first().and_then(|event| event.id),
-        Some(last_seen + 1),
-        "no gap"
-    );
+    assert_eq!(rest.first().and_then(|event| event.id), Some(last_seen + 1), "no gap");
     assert_eq!(rest.last().map(|event| event.event.as_str()), Some("done"));
     let mut answer: String = first_part
         .iter()
         .filter(|e| e.event == "delta")
         .map(|e| e.data["text"].as_str().unwrap_or("").to_string())
         .collect();
-    answer.extend(
-        rest.iter()
-            .filter(|e| e.event == "delta")
-            .map(|e| e.data["text"].as_str().unwrap_or("").to_string()),
-    );
+    answer
+        .extend(rest.iter().filter(|e| e.event == "delta").map(|e| e.data["text"].as_str().unwrap_or("").to_string()));
 
-    let turn = app
-        .get(
-            &key,
-            &format!("/v1/conversations/{conversation}/turns/{turn_id}"),
-        )
-        .await;
+    let turn = app.get(&key, &format!("/v1/conversations/{conversation}/turns/{turn_id}")).await;
     assert_eq!(turn.body["status"], "succeeded");
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
-    assert_eq!(
-        tree.body["messages"][1]["content"].as_str(),
-        Some(answer.as_str()),
-        "byte-exact reconstruction"
-    );
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(tree.body["messages"][1]["content"].as_str(), Some(answer.as_str()), "byte-exact reconstruction");
 
     // ?after= does the same as the header.
     let mut again = app
         .open_stream(
             &key,
-            &format!(
-                "/v1/conversations/{conversation}/events?after={last_seen}&visibility=minimal"
-            ),
+            &format!("/v1/conversations/{conversation}/events?after={last_seen}&visibility=minimal"),
             None,
             &[],
         )
         .await;
     let minimal = again.until("done", DEADLINE).await;
-    assert!(
-        minimal
-            .iter()
-            .all(|event| !event.event.starts_with("trace_")),
-        "minimal hides traces"
-    );
+    assert!(minimal.iter().all(|event| !event.event.starts_with("trace_")), "minimal hides traces");
     assert!(minimal.iter().any(|event| event.event == "delta"));
 }
 
@@ -396,43 +241,22 @@ async fn cancelling_a_turn_keeps_the_partial_answer_marked_interrupted() {
         )
         .await;
     let started = stream.until("delta", DEADLINE).await;
-    let turn_id = started[0].data["turn_id"]
-        .as_str()
-        .expect("turn id")
-        .to_string();
-    let cancel = app
-        .post(
-            &key,
-            &format!("/v1/conversations/{conversation}/turns/{turn_id}/cancel"),
-            &json!({}),
-        )
-        .await;
+    let turn_id = started[0].data["turn_id"].as_str().expect("turn id").to_string();
+    let cancel = app.post(&key, &format!("/v1/conversations/{conversation}/turns/{turn_id}/cancel"), &json!({})).await;
     assert_eq!(cancel.status, 202);
     let rest = stream.until("error", DEADLINE).await;
     let error = rest.last().expect("an error event");
     assert_eq!(error.event, "error");
     assert_eq!(error.data["code"], "cancelled");
 
-    let turn = app
-        .get(
-            &key,
-            &format!("/v1/conversations/{conversation}/turns/{turn_id}"),
-        )
-        .await;
+    let turn = app.get(&key, &format!("/v1/conversations/{conversation}/turns/{turn_id}")).await;
     assert_eq!(turn.body["status"], "cancelled");
     assert_eq!(turn.body["api_calls"][0]["status"], "cancelled");
-    let tree = app
-        .get(&key, &format!("/v1/conversations/{conversation}"))
-        .await;
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
     let messages = tree.body["messages"].as_array().expect("messages");
     assert_eq!(messages.len(), 2, "the user message and the partial reply");
     assert_eq!(messages[1]["status"], "interrupted");
-    assert!(
-        !messages[1]["content"]
-            .as_str()
-            .expect("partial text")
-            .is_empty()
-    );
+    assert!(!messages[1]["content"].as_str().expect("partial text").is_empty());
 }
 
 #[tokio::test]
@@ -440,36 +264,17 @@ async fn shutdown_lets_a_running_turn_finish() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app
-        .engine
-        .authenticate(&key)
-        .await
-        .expect("auth")
-        .expect("user");
+    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
     let handle = app
         .engine
-        .submit(
-            &user,
-            &conversation,
-            Submit {
-                content: "finish me".into(),
-                ..Submit::default()
-            },
-        )
+        .submit(&user, &conversation, Submit::message("finish me"))
         .await
-        .expect("turn");
+        .expect("turn")
+        .into_turn()
+        .expect("a turn");
     let turn_id = handle.turn.id.clone();
     let engine = app.engine.clone();
     let _data = app.stop().await;
-    let turn = engine
-        .store()
-        .turn(&conversation, &turn_id)
-        .await
-        .expect("read")
-        .expect("turn");
-    assert_eq!(
-        turn.status.as_str(),
-        "succeeded",
-        "the grace period let it finish"
-    );
+    let turn = engine.store().turn(&conversation, &turn_id).await.expect("read").expect("turn");
+    assert_eq!(turn.status.as_str(), "succeeded", "the grace period let it finish");
 }
