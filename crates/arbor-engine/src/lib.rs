@@ -8,6 +8,7 @@
 pub mod error;
 mod hub;
 pub mod keys;
+pub mod metrics;
 pub mod models;
 pub mod stream;
 mod submit;
@@ -129,6 +130,7 @@ pub(crate) struct Inner {
     /// Queued turns that just got their conversation's slot, for the
     /// launcher task to start.
     launcher: tokio::sync::mpsc::UnboundedSender<(Arc<Hub>, String, hub::QueuedTurn)>,
+    pub metrics: metrics::Metrics,
 }
 
 impl Inner {
@@ -166,6 +168,7 @@ impl Engine {
                 interrupt: CancellationToken::new(),
                 key_cache: Mutex::new(HashMap::new()),
                 launcher,
+                metrics: metrics::Metrics::default(),
             }),
         };
         let inner = engine.inner.clone();
@@ -184,6 +187,10 @@ impl Engine {
 
     pub fn models(&self) -> &Models {
         &self.inner.models
+    }
+
+    pub fn metrics(&self) -> &metrics::Metrics {
+        &self.inner.metrics
     }
 
     pub fn limits(&self) -> &Limits {

@@ -585,6 +585,7 @@ impl Inner {
                         turn,
                         reply: None,
                         head_version: conversation_head_version(&self.store, &hub.conversation_id, &owner_id).await,
+                        overhead: Default::default(),
                     }));
                     match following {
                         Some(following) => next = following,
@@ -624,6 +625,7 @@ impl Inner {
             turn: turn.clone(),
             reply: None,
             head_version: conversation.head_version,
+            overhead: Default::default(),
         }));
         Ok(turn)
     }

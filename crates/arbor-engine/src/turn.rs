@@ -31,6 +31,8 @@ pub struct TurnOutcome {
     pub reply: Option<Node>,
     /// The conversation's head version after the turn.
     pub head_version: i64,
+    /// Time the turn spent outside provider calls: what Arbor added.
+    pub overhead: std::time::Duration,
 }
 
 /// Why a model call stopped before the provider finished it.
@@ -58,6 +60,10 @@ pub(crate) struct TurnTask {
     llm_trace_id: String,
     /// The provider's `retry-after`, passed on in the `error` event.
     retry_after_secs: Option<u64>,
+    /// When the engine accepted the turn.
+    accepted: Instant,
+    /// Time spent inside provider calls.
+    upstream: std::time::Duration,
 }
 
 /// What one model call produced.
@@ -102,6 +108,8 @@ impl TurnTask {
             deadline,
             llm_trace_id: String::new(),
             retry_after_secs: None,
+            accepted: Instant::now(),
+            upstream: std::time::Duration::ZERO,
         }
     }
 
@@ -132,10 +140,19 @@ impl TurnTask {
             cost_micro_usd = self.turn.cost_micro_usd,
             "turn finished"
         );
+        let total = self.accepted.elapsed();
+        let overhead = total.saturating_sub(self.upstream);
+        let metrics = &self.inner.metrics;
+        metrics.turn_overhead.observe(overhead);
+        metrics.turn_duration.observe(total);
+        let counter =
+            if self.turn.status == TurnStatus::Succeeded { &metrics.turns_succeeded } else { &metrics.turns_failed };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let _ = self.outcome.send(Some(TurnOutcome {
             turn: self.turn.clone(),
             reply,
             head_version: self.conversation.head_version,
+            overhead,
         }));
         if let Some(next) = next {
             // The engine's launcher starts it: a turn task that launched the
@@ -390,7 +407,9 @@ impl TurnTask {
                 }
             }
         });
-        CallResult { collected, usage, latency_ms: started.elapsed().as_millis() as u64, ttft_ms, failure }
+        let elapsed = started.elapsed();
+        self.upstream += elapsed;
+        CallResult { collected, usage, latency_ms: elapsed.as_millis() as u64, ttft_ms, failure }
     }
 
     /// Resolves when the turn must stop: a cancel, or a server shutdown.

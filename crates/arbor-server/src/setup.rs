@@ -6,7 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use arbor_engine::{Engine, EngineConfig, Models};
+use arbor_providers::anthropic::{AnthropicConfig, AnthropicProvider};
 use arbor_providers::demo::DemoProvider;
+use arbor_providers::gemini::{GeminiConfig, GeminiProvider};
+use arbor_providers::http::HttpTimeouts;
+use arbor_providers::openai::{OpenAiConfig, OpenAiProvider};
 use arbor_providers::{Provider, Registry};
 use tokio_util::sync::CancellationToken;
 
@@ -90,11 +94,35 @@ fn preferred_default(registry: &Registry, providers: &HashMap<String, Arc<dyn Pr
 }
 
 fn build_provider(config: &ProviderConfig) -> Result<Arc<dyn Provider>, SetupError> {
-    match config.kind {
-        ProviderKind::Demo => Ok(Arc::new(DemoProvider::default())),
-        other => Err(SetupError::Config(format!(
-            "[providers.{}]: the {other:?} adapter is still being written in this build",
-            config.name
-        ))),
-    }
+    let timeouts = HttpTimeouts { connect: config.connect_timeout, read_idle: config.read_timeout };
+    let api_key = config.api_key.as_ref().map(|secret| secret.0.clone());
+    let provider: Arc<dyn Provider> = match config.kind {
+        ProviderKind::Demo => Arc::new(DemoProvider::default()),
+        ProviderKind::OpenAi => {
+            let defaults = OpenAiConfig::default();
+            let base_url = config.base_url.clone().unwrap_or(defaults.base_url.clone());
+            Arc::new(
+                OpenAiProvider::new(OpenAiConfig { base_url, api_key, timeouts, ..defaults })
+                    .map_err(adapter_error(config))?,
+            )
+        }
+        ProviderKind::Anthropic => {
+            let defaults = AnthropicConfig::default();
+            let base_url = config.base_url.clone().unwrap_or(defaults.base_url.clone());
+            Arc::new(
+                AnthropicProvider::new(AnthropicConfig { base_url, api_key, timeouts, ..defaults })
+                    .map_err(adapter_error(config))?,
+            )
+        }
+        ProviderKind::Gemini => {
+            let defaults = GeminiConfig::default();
+            let base_url = config.base_url.clone().unwrap_or(defaults.base_url.clone());
+            Arc::new(GeminiProvider::new(GeminiConfig { base_url, api_key, timeouts }).map_err(adapter_error(config))?)
+        }
+    };
+    Ok(provider)
+}
+
+fn adapter_error(config: &ProviderConfig) -> impl Fn(arbor_core::ProviderError) -> SetupError + '_ {
+    move |error| SetupError::Config(format!("[providers.{}]: {}", config.name, error.message))
 }

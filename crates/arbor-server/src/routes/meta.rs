@@ -10,12 +10,22 @@ use crate::AppState;
 use crate::extract::Caller;
 
 pub fn router() -> Router<AppState> {
-    Router::new().route("/healthz", get(health)).route("/v1/models", get(models)).route("/v1/me", get(me))
+    Router::new()
+        .route("/healthz", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/me", get(me))
 }
 
 /// Answers once the server is ready (store opened, engine started).
 async fn health() -> impl IntoResponse {
     axum::Json(json!({"status": "ok"}))
+}
+
+/// Prometheus text: turn overhead and duration histograms, turn counts.
+/// Aggregates only, so it needs no key.
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.engine.metrics().render())
 }
 
 async fn models(State(state): State<AppState>, Caller(_user): Caller) -> impl IntoResponse {

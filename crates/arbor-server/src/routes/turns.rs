@@ -196,8 +196,10 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
         "turn": views::turn(&outcome.turn),
         "message": outcome.reply.as_ref().map(|reply| views::nodes(std::slice::from_ref(reply)).remove(0)),
     });
+    // Arbor's own share of the turn's time, for callers measuring overhead.
+    let overhead = [("x-arbor-overhead-us", outcome.overhead.as_micros().to_string())];
     let Some(code) = outcome.turn.error_code.as_deref() else {
-        return (StatusCode::OK, axum::Json(body)).into_response();
+        return (StatusCode::OK, overhead, axum::Json(body)).into_response();
     };
     let status = match code {
         "rate_limit" => StatusCode::TOO_MANY_REQUESTS,

@@ -278,3 +278,30 @@ async fn shutdown_lets_a_running_turn_finish() {
     let turn = engine.store().turn(&conversation, &turn_id).await.expect("read").expect("turn");
     assert_eq!(turn.status.as_str(), "succeeded", "the grace period let it finish");
 }
+
+#[tokio::test]
+async fn arbor_reports_its_own_overhead_per_turn_and_as_a_metric() {
+    let app = spawn_app().await;
+    let key = app.admin_key.clone();
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let response = app
+        .client
+        .post(app.url(&format!("/v1/conversations/{conversation}/messages")))
+        .bearer_auth(&key)
+        .json(&json!({"content": "measure me"}))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(response.status(), 200);
+    let overhead: u64 = response
+        .headers()
+        .get("x-arbor-overhead-us")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+        .expect("an overhead header in microseconds");
+    // The demo model paces its chunks (~300 ms): that is upstream time, not overhead.
+    assert!(overhead < 250_000, "overhead {overhead} µs excludes the model's own time");
+    let metrics = app.client.get(app.url("/metrics")).send().await.expect("sent").text().await.expect("text");
+    assert!(metrics.contains("arbor_turn_overhead_seconds_count 1"), "{metrics}");
+    assert!(metrics.contains("arbor_turns_total{status=\"succeeded\"} 1"), "{metrics}");
+}
