@@ -117,6 +117,7 @@ impl Engine {
             None => self.simple_node(&conversation, &submit).await?,
         };
 
+        check_capabilities(&model, &new.nodes)?;
         let anchored = submit.view.is_some() || submit.parent_id.is_some();
         let ends_with_user = new.nodes.last().is_some_and(|node| matches!(node.message.role, Role::User | Role::Tool));
         if !submit.run || !ends_with_user {
@@ -659,4 +660,18 @@ async fn conversation_head_version(
         Ok(Some(conversation)) => conversation.head_version,
         _ => 0,
     }
+}
+
+/// Refuses, before anything is recorded or called, input the model cannot
+/// take: images for a model without vision.
+pub(crate) fn check_capabilities(model: &ResolvedModel, nodes: &[Node]) -> EngineResult<()> {
+    let has_image =
+        nodes.iter().any(|node| node.message.parts.iter().any(|part| matches!(part, arbor_core::Part::Image { .. })));
+    if has_image && !model.info.capabilities.vision {
+        return Err(EngineError::InvalidInput(format!(
+            "model {:?} cannot read images (it has no vision capability); choose a model with vision",
+            model.info.id
+        )));
+    }
+    Ok(())
 }

@@ -210,6 +210,18 @@ impl TurnTask {
             .map(|node| node.message.clone())
             .collect();
         let parent_id = self.turn.user_message_id.clone();
+        let has_image =
+            path.iter().any(|message| message.parts.iter().any(|part| matches!(part, arbor_core::Part::Image { .. })));
+        if has_image && !self.model.info.capabilities.vision {
+            // Refused before any call: the model would reject or ignore it.
+            self.turn.status = TurnStatus::Failed;
+            self.turn.error_code = Some(ErrorCode::InvalidRequest.as_str().into());
+            self.turn.error_message = Some(format!(
+                "model {:?} cannot read images (it has no vision capability), and this conversation has some; choose a model with vision",
+                self.model.info.id
+            ));
+            return Ok(None);
+        }
 
         let request = ChatRequest {
             model: self.model.info.upstream_name().to_string(),

@@ -4,5 +4,6 @@
 //! binary, so the workspace links it once.
 
 mod errors;
+mod providers;
 mod tree;
 mod turns;
