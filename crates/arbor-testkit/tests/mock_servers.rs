@@ -690,6 +690,21 @@ async fn error_statuses_come_in_each_providers_shape() {
 }
 
 #[tokio::test]
+async fn gemini_json_array_errors_are_wrapped_in_an_array_and_extra_headers_ride_along() {
+    within_deadline(async {
+        let server = MockServer::start(Protocol::Gemini).await;
+        server.push(Reply::fault(Fault::server_error()).with_header("x-mock-trace", "abc"));
+        let url = format!("{}/models/gemini-2.5-flash:streamGenerateContent", server.base_url());
+        let response = client().post(url).json(&json!({"contents": []})).send().await.unwrap();
+        assert_eq!(response.status(), 500);
+        assert_eq!(response.headers()["x-mock-trace"], "abc");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body[0]["error"]["status"], "INTERNAL", "{body}");
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_custom_status_is_served_as_given() {
     within_deadline(async {
         let server = MockServer::start(Protocol::OpenAi).await;

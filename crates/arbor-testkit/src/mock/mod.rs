@@ -137,7 +137,7 @@ impl Protocol {
     /// Encodes a reply's content (faults aside) for a request: a scripted
     /// reply in this protocol's format, a fixture exactly as recorded.
     pub fn render(self, reply: &Reply, request: &RequestInfo) -> Rendered {
-        let mut rendered = match &reply.content {
+        match &reply.content {
             Content::Fixture(fixture) => Rendered {
                 status: fixture.status,
                 headers: fixture.headers.clone(),
@@ -149,8 +149,20 @@ impl Protocol {
                 Protocol::Anthropic => anthropic::render(reply, request),
                 Protocol::Gemini => gemini::render(reply, request),
             },
-        };
-        rendered.headers.extend(reply.headers.iter().cloned());
+        }
+    }
+
+    /// A canned error answering a chat call. Gemini's JSON-array stream
+    /// wraps even its errors in an array, so that framing is kept.
+    fn fault_error(self, kind: CannedError, framing: Framing) -> Rendered {
+        let mut rendered = self.canned_error(kind, "");
+        if self == Protocol::Gemini && framing == Framing::JsonArray {
+            let body = rendered.body();
+            let mut wrapped = b"[".to_vec();
+            wrapped.extend_from_slice(body.trim_ascii_end());
+            wrapped.extend_from_slice(b"\n]");
+            rendered.chunks = vec![Bytes::from(wrapped)];
+        }
         rendered
     }
 
@@ -429,17 +441,20 @@ async fn serve(protocol: Protocol, reply: Reply, info: &RequestInfo, shutdown: C
             }
         }
         Some(Fault::RateLimited { retry_after_secs }) => {
-            protocol.canned_error(CannedError::RateLimited { retry_after_secs: *retry_after_secs }, "")
+            protocol.fault_error(CannedError::RateLimited { retry_after_secs: *retry_after_secs }, info.framing)
         }
-        Some(Fault::ServerError) => protocol.canned_error(CannedError::ServerError, ""),
-        Some(Fault::Unavailable) => protocol.canned_error(CannedError::Unavailable, ""),
-        Some(Fault::Overloaded) => protocol.canned_error(CannedError::Overloaded, ""),
-        Some(Fault::ContextLength) => protocol.canned_error(CannedError::ContextLength, ""),
+        Some(Fault::ServerError) => protocol.fault_error(CannedError::ServerError, info.framing),
+        Some(Fault::Unavailable) => protocol.fault_error(CannedError::Unavailable, info.framing),
+        Some(Fault::Overloaded) => protocol.fault_error(CannedError::Overloaded, info.framing),
+        Some(Fault::ContextLength) => protocol.fault_error(CannedError::ContextLength, info.framing),
         Some(Fault::InStreamError { .. }) if info.framing == Framing::Json => {
-            protocol.canned_error(CannedError::Overloaded, "")
+            protocol.fault_error(CannedError::Overloaded, info.framing)
         }
         _ => protocol.render(&reply, info),
     };
+    // Extra headers ride on every answer, errors included.
+    let mut rendered = rendered;
+    rendered.headers.extend(reply.headers.iter().cloned());
     let steps = plan(protocol, rendered.chunks, rendered.terminal_chunks, &reply, info.framing);
     build_response(rendered.status, &rendered.headers, steps, shutdown)
 }
