@@ -612,6 +612,26 @@ async fn fixtures_are_served_byte_for_byte_with_their_status() {
     .await;
 }
 
+#[tokio::test]
+async fn raw_bodies_are_served_as_given_and_still_take_faults() {
+    within_deadline(async {
+        let server = MockServer::start(Protocol::OpenAi).await;
+        let stream = "data: {\"a\":1}\n\ndata: {\"a\":2}\n\ndata: [DONE]\n\n";
+        server.push(Reply::raw_sse(stream));
+        server.push(Reply::raw_sse(stream).with_fault(Fault::ResetAfterChunks(1)));
+        server.push(Reply::raw_json(402, r#"{"error":{"message":"pay up"}}"#));
+        let response = send(&server, true).await;
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        assert_eq!(response.text().await.unwrap(), stream);
+        let (received, how) = read_until_quiet(send(&server, true).await, Duration::from_secs(5)).await;
+        assert_eq!((received.as_str(), how), ("data: {\"a\":1}\n\n", "failed"));
+        let response = send(&server, false).await;
+        assert_eq!(response.status(), 402);
+        assert_eq!(response.text().await.unwrap(), r#"{"error":{"message":"pay up"}}"#);
+    })
+    .await;
+}
+
 // ---------------------------------------------------------------- faults
 
 #[tokio::test]

@@ -214,16 +214,33 @@ impl Reply {
     /// it exists; otherwise 200 (see [`Reply::with_status`] for body-only
     /// error fixtures).
     pub fn fixture(path: impl AsRef<Path>) -> std::io::Result<Self> {
-        let fixture = load_fixture(path.as_ref())?;
-        let mut reply = Reply::from_blocks(Vec::new());
-        reply.content = Content::Fixture(fixture);
-        Ok(reply)
+        Ok(Reply::raw(load_fixture(path.as_ref())?))
     }
 
     /// [`Reply::fixture`] for a path relative to the shared provider
     /// recordings, e.g. `"anthropic/stream-thinking.response.sse"`.
     pub fn provider_fixture(relative: &str) -> std::io::Result<Self> {
         Reply::fixture(provider_fixtures_dir().join(relative))
+    }
+
+    /// A 200 `text/event-stream` body served as given (cut into events at
+    /// its blank lines, so chunk faults and delays still apply), for streams
+    /// written by hand in a test.
+    pub fn raw_sse(body: impl Into<Bytes>) -> Self {
+        let headers = vec![("content-type".to_owned(), "text/event-stream".to_owned())];
+        Reply::raw(Fixture { status: 200, headers, chunks: split_sse_events(body.into()) })
+    }
+
+    /// A JSON body with this status, served as given.
+    pub fn raw_json(status: u16, body: impl Into<Bytes>) -> Self {
+        let headers = vec![("content-type".to_owned(), "application/json".to_owned())];
+        Reply::raw(Fixture { status, headers, chunks: vec![body.into()] })
+    }
+
+    fn raw(fixture: Fixture) -> Self {
+        let mut reply = Reply::from_blocks(Vec::new());
+        reply.content = Content::Fixture(fixture);
+        reply
     }
 
     pub fn then_text(mut self, text: &str) -> Self {
