@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
 use arbor_core::ids::now_millis;
@@ -52,6 +52,8 @@ pub(crate) struct QueuedTurn {
     pub anchored: bool,
     /// Whether it waited in the queue (its row is stored as `queued`).
     pub waited: bool,
+    /// Whether the user's spending is limited: each call reserves credits.
+    pub limited: bool,
     pub user: User,
     pub model: ResolvedModel,
     pub cancel: CancellationToken,
@@ -71,7 +73,10 @@ pub(crate) enum Slot {
 }
 
 struct HubState {
+    /// One past the last event published to viewers.
     next_seq: i64,
+    /// Events emitted here that the database has not numbered yet.
+    unnumbered: usize,
     /// The latest events, oldest first; covers every event not yet stored.
     recent: VecDeque<Event>,
     running: Option<RunningTurn>,
@@ -85,8 +90,21 @@ fn to_json(payload: &impl Serialize) -> Arc<str> {
     serde_json::to_string(payload).unwrap_or_else(|_| "{}".to_string()).into()
 }
 
+/// Who numbers a conversation's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Numbering {
+    /// This process (one node): numbered in memory, stored in batches.
+    Local,
+    /// The shared database (several nodes): numbered as they are stored,
+    /// then published here and announced to the other nodes.
+    Database,
+}
+
 pub(crate) struct Hub {
     pub conversation_id: Arc<str>,
+    /// This hub, for the writer to publish back to.
+    me: Weak<Hub>,
+    numbering: Numbering,
     state: Mutex<HubState>,
     sender: broadcast::Sender<Event>,
     writer: EventWriter,
@@ -104,12 +122,15 @@ pub(crate) struct Subscription {
 }
 
 impl Hub {
-    pub(crate) fn new(conversation_id: &str, last_seq: i64, writer: EventWriter) -> Hub {
+    pub(crate) fn new(conversation_id: &str, last_seq: i64, writer: EventWriter, numbering: Numbering) -> Arc<Hub> {
         let (sender, _) = broadcast::channel(BROADCAST_CAPACITY);
-        Hub {
+        Arc::new_cyclic(|me| Hub {
             conversation_id: Arc::from(conversation_id),
+            me: me.clone(),
+            numbering,
             state: Mutex::new(HubState {
                 next_seq: last_seq + 1,
+                unnumbered: 0,
                 recent: VecDeque::new(),
                 running: None,
                 queue: VecDeque::new(),
@@ -118,7 +139,7 @@ impl Hub {
             sender,
             writer,
             flushed: Arc::new(AtomicI64::new(last_seq)),
-        }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, HubState> {
@@ -128,7 +149,7 @@ impl Hub {
     }
 
     /// Numbers, stores (batched) and broadcasts one event.
-    pub(crate) fn emit(&self, turn_id: Option<&Arc<str>>, name: EventName, payload: &impl Serialize) -> Event {
+    pub(crate) fn emit(&self, turn_id: Option<&Arc<str>>, name: EventName, payload: &impl Serialize) {
         let data = to_json(payload);
         let mut state = self.lock();
         self.emit_locked(&mut state, turn_id, name, data)
@@ -206,6 +227,37 @@ impl Hub {
         }
     }
 
+    /// Gives the free slot to the first queued turn (after another node's
+    /// turn on this conversation finished).
+    pub(crate) fn take_next_queued(&self) -> Option<QueuedTurn> {
+        let mut state = self.lock();
+        if state.running.is_some() {
+            return None;
+        }
+        let next = state.queue.pop_front()?;
+        state.running = Some(RunningTurn {
+            turn_id: Arc::from(next.turn.id.as_str()),
+            cancel: next.cancel.clone(),
+            reply_parent: next
+                .nodes
+                .last()
+                .map(|node| node.id.clone())
+                .unwrap_or_else(|| next.turn.user_message_id.clone()),
+        });
+        Some(next)
+    }
+
+    /// Puts a turn that could not start (another node runs one) back at the
+    /// head of the queue and frees the slot.
+    pub(crate) fn requeue_front(&self, mut turn: QueuedTurn) {
+        let mut state = self.lock();
+        if state.running.as_ref().is_some_and(|running| *running.turn_id == *turn.turn.id) {
+            state.running = None;
+        }
+        turn.waited = true;
+        state.queue.push_front(turn);
+    }
+
     /// Takes a queued turn out of the queue (it was cancelled).
     pub(crate) fn remove_queued(&self, turn_id: &str) -> Option<QueuedTurn> {
         let mut state = self.lock();
@@ -213,17 +265,37 @@ impl Hub {
         state.queue.remove(position)
     }
 
-    fn emit_locked(&self, state: &mut HubState, turn_id: Option<&Arc<str>>, name: EventName, data: Arc<str>) -> Event {
+    fn emit_locked(&self, state: &mut HubState, turn_id: Option<&Arc<str>>, name: EventName, data: Arc<str>) {
         let event = Event {
-            seq: state.next_seq,
+            seq: 0,
             conversation_id: self.conversation_id.clone(),
             turn_id: turn_id.cloned(),
             name,
             data,
             created_at: now_millis(),
         };
-        state.next_seq += 1;
         state.last_active = Instant::now();
+        match self.numbering {
+            Numbering::Local => {
+                let event = Event { seq: state.next_seq, ..event };
+                self.publish_locked(state, &event);
+                self.writer.write(event, self.flushed.clone());
+            }
+            Numbering::Database => {
+                // Numbered by the database as the writer stores it, in the
+                // order emitted; published back here by `publish`.
+                state.unnumbered += 1;
+                self.writer.write_unnumbered(event, self.me.clone());
+            }
+        }
+    }
+
+    /// Makes a numbered event visible to viewers.
+    fn publish_locked(&self, state: &mut HubState, event: &Event) {
+        if event.seq < state.next_seq {
+            return;
+        }
+        state.next_seq = event.seq + 1;
         state.recent.push_back(event.clone());
         let flushed = self.flushed.load(Ordering::Acquire);
         while state.recent.len() > RECENT_KEPT && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed) {
@@ -231,8 +303,25 @@ impl Hub {
         }
         // Sending under the lock keeps the broadcast order equal to seq order.
         let _ = self.sender.send(event.clone());
-        self.writer.write(event.clone(), self.flushed.clone());
-        event
+    }
+
+    /// Publishes events the database numbered and stored: this node's own
+    /// (`own` of them, from the writer) or another node's (read back after a
+    /// notice). Ones already published are skipped.
+    pub(crate) fn publish(&self, events: &[Event], own: usize) {
+        let mut state = self.lock();
+        state.unnumbered = state.unnumbered.saturating_sub(own);
+        if let Some(last) = events.last() {
+            self.flushed.fetch_max(last.seq, Ordering::AcqRel);
+        }
+        for event in events {
+            self.publish_locked(&mut state, event);
+        }
+    }
+
+    /// The last seq published here.
+    pub(crate) fn last_published(&self) -> i64 {
+        self.lock().next_seq - 1
     }
 
     /// Subscribes a viewer to events from now on; returns the last seq
@@ -281,6 +370,7 @@ impl Hub {
         let state = self.lock();
         state.running.is_none()
             && state.queue.is_empty()
+            && state.unnumbered == 0
             && self.sender.receiver_count() == 0
             && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1
             && state.last_active.elapsed() >= quiet_for

@@ -5,6 +5,7 @@
 //! what every model call cost. It knows nothing of HTTP.
 #![forbid(unsafe_code)]
 
+mod cluster;
 pub mod error;
 mod hub;
 pub mod keys;
@@ -24,7 +25,6 @@ use arbor_core::{EventName, Node};
 use arbor_store::{
     ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn, TurnStatus, User,
 };
-use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -61,9 +61,21 @@ impl Default for Limits {
     }
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub limits: Limits,
+    /// Several Arbor processes share the database (PostgreSQL): events are
+    /// numbered by the database and announced between nodes, running turns
+    /// hold leases, and a node that dies has its turns taken over.
+    pub shared: bool,
+    /// How long a running turn's lease lasts without renewal (shared mode).
+    pub turn_lease: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> EngineConfig {
+        EngineConfig { limits: Limits::default(), shared: false, turn_lease: Duration::from_secs(15) }
+    }
 }
 
 /// A new conversation's settings.
@@ -131,9 +143,15 @@ pub(crate) struct Inner {
     /// launcher task to start.
     launcher: tokio::sync::mpsc::UnboundedSender<(Arc<Hub>, String, hub::QueuedTurn)>,
     pub metrics: metrics::Metrics,
+    /// This process's name among the nodes sharing the database.
+    pub node_id: String,
 }
 
 impl Inner {
+    fn numbering(&self) -> hub::Numbering {
+        if self.config.shared { hub::Numbering::Database } else { hub::Numbering::Local }
+    }
+
     pub(crate) fn queue_launch(&self, hub: Arc<Hub>, owner_id: String, next: hub::QueuedTurn) {
         // The launcher lives as long as the engine.
         let _ = self.launcher.send((hub, owner_id, next));
@@ -169,6 +187,7 @@ impl Engine {
                 key_cache: Mutex::new(HashMap::new()),
                 launcher,
                 metrics: metrics::Metrics::default(),
+                node_id: new_id(),
             }),
         };
         let inner = engine.inner.clone();
@@ -177,7 +196,13 @@ impl Engine {
                 tokio::spawn(inner.clone().launch_next(hub, owner_id, next));
             }
         });
-        engine.recover_interrupted_turns().await?;
+        if engine.inner.config.shared {
+            // Other nodes may be running turns right now: only turns whose
+            // lease expired are taken over, by the sweeper.
+            cluster::start(engine.clone()).await?;
+        } else {
+            engine.recover_interrupted_turns().await?;
+        }
         Ok(engine)
     }
 
@@ -333,15 +358,25 @@ impl Engine {
     pub async fn cancel_turn(&self, user: &User, conversation_id: &str, turn_id: &str) -> EngineResult<Turn> {
         let conversation = self.conversation(user, conversation_id).await?;
         let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
-        let Some(hub) = self.hub_if_loaded(&conversation.id) else {
+        if turn.status.is_finished() {
             return Ok(turn);
-        };
-        if let Some(running) = hub.running()
-            && &*running.turn_id == turn_id
-        {
-            running.cancel.cancel();
-        } else if let Some(queued) = hub.remove_queued(turn_id) {
-            return self.inner.cancel_queued(&hub, &user.id, queued).await;
+        }
+        if let Some(hub) = self.hub_if_loaded(&conversation.id) {
+            if let Some(running) = hub.running()
+                && &*running.turn_id == turn_id
+            {
+                running.cancel.cancel();
+                return Ok(turn);
+            }
+            if let Some(queued) = hub.remove_queued(turn_id) {
+                return self.inner.cancel_queued(&hub, &user.id, queued).await;
+            }
+        }
+        if self.inner.config.shared {
+            // The turn runs (or waits) on another node.
+            let notice =
+                arbor_store::Notice::CancelTurn { conversation_id: conversation.id.clone(), turn_id: turn.id.clone() };
+            self.inner.store.notify(&notice).await?;
         }
         Ok(turn)
     }
@@ -377,7 +412,7 @@ impl Engine {
         }
         let hub = hubs
             .entry(conversation_id.to_string())
-            .or_insert_with(|| Arc::new(Hub::new(conversation_id, last_seq, self.inner.writer.clone())));
+            .or_insert_with(|| Hub::new(conversation_id, last_seq, self.inner.writer.clone(), self.inner.numbering()));
         Ok(hub.clone())
     }
 
@@ -385,27 +420,62 @@ impl Engine {
         lock(&self.inner.hubs).get(conversation_id).cloned()
     }
 
-    /// Marks turns a crashed process left running as interrupted, and tells
-    /// any viewer that resumes their stream.
+    /// Hubs in memory now.
+    pub(crate) fn loaded_hubs(&self) -> Vec<Arc<Hub>> {
+        lock(&self.inner.hubs).values().cloned().collect()
+    }
+
+    /// Marks turns a crashed process left running (or queued) as
+    /// interrupted, keeping what they streamed, and tells any viewer that
+    /// resumes their stream. Only for one node: with several, the sweeper
+    /// takes over turns whose lease expired instead.
     async fn recover_interrupted_turns(&self) -> EngineResult<()> {
         let stale = self.inner.store.turns_with_status(&[TurnStatus::Running, TurnStatus::Queued]).await?;
-        for mut turn in stale {
-            tracing::warn!(turn_id = %turn.id, conversation_id = %turn.conversation_id, "marking a turn left running by a previous process as interrupted");
-            turn.status = TurnStatus::Interrupted;
-            turn.error_code = Some("interrupted".into());
-            turn.error_message = Some("the server stopped during this turn; send the message again".into());
-            turn.finished_at = Some(now_millis());
-            self.inner.store.update_turn(&turn).await?;
-            let hub = self.hub(&turn.conversation_id).await?;
-            let turn_id: Arc<str> = Arc::from(turn.id.as_str());
-            hub.emit(
-                Some(&turn_id),
-                EventName::Error,
-                &json!({"turn_id": turn.id, "code": "interrupted", "message": turn.error_message}),
-            );
+        for turn in stale {
+            cluster::interrupt(self, turn).await?;
         }
         self.inner.writer.flush().await;
         Ok(())
+    }
+
+    /// Rebuilds the answer a dead turn had streamed from its stored `delta`
+    /// events and keeps it as an interrupted reply (the head moves to it).
+    pub(crate) async fn salvage_partial_reply(&self, turn: &Turn) -> EngineResult<Option<Node>> {
+        if turn.reply_message_id.is_some() {
+            return Ok(None);
+        }
+        let mut text = String::new();
+        let mut after = 0;
+        loop {
+            let page = self.inner.store.events_after(&turn.conversation_id, after, 1000).await?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            for event in page
+                .iter()
+                .filter(|event| event.name == EventName::Delta && event.turn_id.as_deref() == Some(turn.id.as_str()))
+            {
+                if let Some(delta) = event.data_json()["text"].as_str() {
+                    text.push_str(delta);
+                }
+            }
+        }
+        if text.is_empty() || self.inner.store.message(&turn.conversation_id, &turn.user_message_id).await?.is_none() {
+            return Ok(None);
+        }
+        let node = Node {
+            id: new_id(),
+            conversation_id: turn.conversation_id.clone(),
+            parent_id: Some(turn.user_message_id.clone()),
+            message: arbor_core::Message::assistant(text),
+            model: Some(turn.model.clone()),
+            provider: self.inner.models.registry().get(&turn.model).map(|model| model.provider.clone()),
+            turn_id: Some(turn.id.clone()),
+            copied_from: None,
+            status: arbor_core::message::NodeStatus::Interrupted,
+            created_at: now_millis(),
+        };
+        self.inner.store.append_messages(std::slice::from_ref(&node), now_millis()).await?;
+        Ok(Some(node))
     }
 }
 

@@ -125,11 +125,11 @@ impl Engine {
             let head_id = new.nodes.last().map(|node| node.id.clone());
             return Ok(Submitted::Recorded { messages: new.nodes, head_id, head_version });
         }
-        self.inner.check_quota(user).await?;
+        let limited = self.inner.check_quota(user).await?;
         let handle = self
             .inner
             .clone()
-            .begin_turn(&hub, user.clone(), conversation, model, new.nodes, new.parent, submit.queue, anchored)
+            .begin_turn(&hub, user.clone(), conversation, model, new.nodes, new.parent, submit.queue, anchored, limited)
             .await?;
         Ok(Submitted::Turn(Box::new(handle)))
     }
@@ -164,11 +164,11 @@ impl Engine {
             Role::User | Role::Tool => target.id.clone(),
             Role::System => return Err(EngineError::InvalidInput("a system message cannot be regenerated".into())),
         };
-        self.inner.check_quota(user).await?;
+        let limited = self.inner.check_quota(user).await?;
         let hub = self.hub(&conversation.id).await?;
         self.inner
             .clone()
-            .begin_turn(&hub, user.clone(), conversation, model, Vec::new(), Some(reply_parent), queue, true)
+            .begin_turn(&hub, user.clone(), conversation, model, Vec::new(), Some(reply_parent), queue, true, limited)
             .await
     }
 
@@ -260,6 +260,10 @@ impl Engine {
         validate_text("content", Some(&submit.content), self.inner.config.limits.max_message_bytes)?;
         if let Some(id) = &submit.id {
             validate_message_id(id)?;
+            // Refused before anything is claimed or written.
+            if self.inner.store.message(&conversation.id, id).await?.is_some() {
+                return Err(EngineError::Conflict(format!("message id {id:?} already exists in this conversation")));
+            }
         }
         let parent = match &submit.parent_id {
             Some(parent_id) => {
@@ -300,7 +304,9 @@ impl Inner {
     }
 
     /// The quota is read fresh: a cached user may hold an old balance.
-    pub(crate) async fn check_quota(&self, user: &User) -> EngineResult<()> {
+    /// Returns whether the user's spending is limited (calls then reserve
+    /// credits before they are made).
+    pub(crate) async fn check_quota(&self, user: &User) -> EngineResult<bool> {
         let available = self.store.available_credits(&user.id).await.map_err(|error| match error {
             StoreError::NotFound => EngineError::NotFound("user"),
             other => other.into(),
@@ -308,7 +314,7 @@ impl Inner {
         if available.is_some_and(|credits| credits <= 0) {
             return Err(EngineError::QuotaExceeded);
         }
-        Ok(())
+        Ok(available.is_some())
     }
 
     /// Appends nodes (moving the head to the last) and announces them.
@@ -356,6 +362,17 @@ impl Inner {
             EventName::HeadMoved,
             &json!({"head_id": to, "previous_head_id": conversation.head_id, "head_version": head_version}),
         );
+        if self.config.shared {
+            // A turn on this branch may run on another node.
+            let notice = arbor_store::Notice::HeadMoved {
+                conversation_id: conversation.id.clone(),
+                head_id: Some(to.to_string()),
+                head_version,
+            };
+            if let Err(error) = self.store.notify(&notice).await {
+                tracing::warn!(%error, "announcing a head move to the other nodes failed");
+            }
+        }
         if let Some(running) = hub.running() {
             let tree = Tree::new(self.store.messages(&conversation.id).await?);
             let on_new_path = tree.path_to(to).iter().any(|node| node.id == running.reply_parent);
@@ -380,6 +397,7 @@ impl Inner {
         reply_parent: Option<String>,
         queue: QueueMode,
         anchored: bool,
+        limited: bool,
     ) -> EngineResult<TurnHandle> {
         let turn_id: Arc<str> = Arc::from(new_id());
         let cancel = CancellationToken::new();
@@ -412,6 +430,7 @@ impl Inner {
             merge: queue == QueueMode::Merge,
             anchored,
             waited: false,
+            limited,
             user,
             model,
             cancel: cancel.clone(),
@@ -431,7 +450,17 @@ impl Inner {
                 );
                 let turn = queued.turn.clone();
                 let first_nodes = queued.nodes.clone();
-                if let Err((error, _)) = self.clone().launch(hub.clone(), conversation, *queued).await {
+                if let Err((error, queued)) = self.clone().launch(hub.clone(), conversation, *queued).await {
+                    // Another node runs a turn here: wait for it like any
+                    // queued turn, when the caller asked to wait.
+                    if matches!(error, EngineError::TurnRunning { .. }) && queue != QueueMode::Refuse {
+                        let mut waiting = queued.turn.clone();
+                        waiting.status = TurnStatus::Queued;
+                        self.store.insert_turn(&waiting).await?;
+                        hub.requeue_front(*queued);
+                        hub.emit(Some(&turn_id), EventName::TurnQueued, &json!({"turn_id": &*turn_id, "position": 1}));
+                        return Ok(TurnHandle { turn: waiting, user_message: None, events, outcome });
+                    }
                     hub.release(&turn_id);
                     return Err(error);
                 }
@@ -480,7 +509,7 @@ impl Inner {
             Ok(prepared) => prepared,
             Err(error) => return Err((error, Box::new(queued))),
         };
-        let QueuedTurn { user, model, cancel, outcome, .. } = queued;
+        let QueuedTurn { user, model, cancel, outcome, limited, .. } = queued;
         let turn_id: Arc<str> = Arc::from(turn.id.as_str());
         hub.emit(
             Some(&turn_id),
@@ -494,7 +523,8 @@ impl Inner {
         let head_id = nodes.last().map(|node| node.id.clone()).or(conversation.head_id.clone());
         let conversation = Conversation { head_version, head_id, ..conversation };
         let task =
-            TurnTask::new(self.clone(), hub, user, conversation, turn, turn_id, model, cancel, outcome, deadline);
+            TurnTask::new(self.clone(), hub, user, conversation, turn, turn_id, model, cancel, outcome, deadline)
+                .with_reservations(limited);
         self.tracker.spawn(task.run());
         Ok(())
     }
@@ -509,31 +539,59 @@ impl Inner {
     ) -> EngineResult<(Turn, Vec<Node>, i64)> {
         let nodes = chain(queued, conversation);
         let mut turn = queued.turn.clone();
-        let head_version = if nodes.is_empty() {
-            conversation.head_version
-        } else {
-            self.store.append_messages(&nodes, now_millis()).await.map_err(|error| match error {
-                StoreError::Conflict(_) => EngineError::Conflict(format!(
-                    "message id {:?} already exists in this conversation",
-                    nodes.last().map(|node| node.id.as_str()).unwrap_or_default()
-                )),
-                other => other.into(),
-            })?
-        };
         if let Some(last) = nodes.last() {
             turn.user_message_id = last.id.clone();
-            hub.set_reply_parent(&turn.id, &last.id);
         }
+        // The database's slot first (one running turn per conversation, on
+        // any node): a turn that cannot run yet has written nothing.
         turn.status = TurnStatus::Running;
         turn.started_at = Some(now_millis());
         let stored =
             if queued.waited { self.store.update_turn(&turn).await } else { self.store.insert_turn(&turn).await };
-        stored.map_err(|error| match error {
-            // Another process runs a turn on this conversation.
-            StoreError::Conflict(_) => EngineError::Conflict("another turn is running on this conversation".into()),
-            other => other.into(),
-        })?;
+        if let Err(error) = stored {
+            return Err(match error {
+                StoreError::Conflict(_) => self.running_elsewhere(&conversation.id).await,
+                other => other.into(),
+            });
+        }
+        // The user's messages are durable before any model is called.
+        let head_version = if nodes.is_empty() {
+            conversation.head_version
+        } else {
+            match self.store.append_messages(&nodes, now_millis()).await {
+                Ok(version) => version,
+                Err(error) => {
+                    turn.status = TurnStatus::Failed;
+                    turn.error_code = Some("conflict".into());
+                    turn.finished_at = Some(now_millis());
+                    if let Err(error) = self.store.update_turn(&turn).await {
+                        tracing::error!(%error, "freeing the turn slot after a refused message failed");
+                    }
+                    return Err(match error {
+                        StoreError::Conflict(_) => EngineError::Conflict(format!(
+                            "message id {:?} already exists in this conversation",
+                            nodes.last().map(|node| node.id.as_str()).unwrap_or_default()
+                        )),
+                        other => other.into(),
+                    });
+                }
+            }
+        };
+        if let Some(last) = nodes.last() {
+            hub.set_reply_parent(&turn.id, &last.id);
+        }
         Ok((turn, nodes, head_version))
+    }
+
+    /// The error for a turn slot the database says is taken by another node.
+    async fn running_elsewhere(&self, conversation_id: &str) -> EngineError {
+        let running = self.store.turns_with_status(&[TurnStatus::Running]).await.ok().and_then(|turns| {
+            turns.into_iter().find(|turn| turn.conversation_id == conversation_id).map(|turn| turn.id)
+        });
+        match running {
+            Some(turn_id) => EngineError::TurnRunning { turn_id },
+            None => EngineError::Conflict("another turn is running on this conversation".into()),
+        }
     }
 
     /// Launches the queued turn that just got the slot; if it cannot start,
@@ -566,6 +624,11 @@ impl Inner {
             };
             match self.clone().launch(hub.clone(), conversation, next).await {
                 Ok(()) => return,
+                Err((EngineError::TurnRunning { .. }, waiting)) => {
+                    // Another node's turn holds the slot; its end wakes us.
+                    hub.requeue_front(*waiting);
+                    return;
+                }
                 Err((error, failed)) => {
                     tracing::warn!(turn_id = %failed.turn.id, %error, "a queued turn could not start");
                     let mut turn = failed.turn.clone();

@@ -23,6 +23,10 @@ use crate::Inner;
 use crate::hub::{Hub, QueuedTurn};
 use crate::models::ResolvedModel;
 
+/// The longest reply a limited user's call may ask for, so the credits held
+/// for it stay a sensible amount.
+const MAX_OUTPUT_WHEN_LIMITED: u64 = 4096;
+
 /// How a finished turn ended, for callers that wait (the JSON mode).
 #[derive(Debug, Clone)]
 pub struct TurnOutcome {
@@ -64,6 +68,8 @@ pub(crate) struct TurnTask {
     accepted: Instant,
     /// Time spent inside provider calls.
     upstream: std::time::Duration,
+    /// Reserve credits before each call (the user's spending is limited).
+    reserve: bool,
 }
 
 /// What one model call produced.
@@ -110,13 +116,28 @@ impl TurnTask {
             retry_after_secs: None,
             accepted: Instant::now(),
             upstream: std::time::Duration::ZERO,
+            reserve: false,
         }
+    }
+
+    pub(crate) fn with_reservations(mut self, reserve: bool) -> TurnTask {
+        self.reserve = reserve;
+        self
     }
 
     pub(crate) async fn run(mut self) {
         let started = Instant::now();
         tracing::info!(turn_id = %self.turn_id, conversation_id = %self.conversation.id, model = %self.model.info.id, "turn started");
-        let reply = match self.drive().await {
+        // With several nodes, the turn holds a lease while it runs, so that
+        // another node can take it over if this one dies.
+        let lease = self.inner.config.shared.then(|| {
+            tokio::spawn(crate::cluster::keep_lease(self.inner.clone(), self.turn.id.clone(), self.cancel.clone()))
+        });
+        let driven = self.drive().await;
+        if let Some(lease) = lease {
+            lease.abort();
+        }
+        let reply = match driven {
             Ok(reply) => reply,
             Err(error) => {
                 // A store failure mid-turn: the turn cannot be recorded as
@@ -131,6 +152,16 @@ impl TurnTask {
         self.turn.finished_at = Some(now_millis());
         if let Err(error) = self.inner.store.update_turn(&self.turn).await {
             tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
+        }
+        if self.inner.config.shared {
+            // Wakes nodes holding queued turns for this conversation.
+            let notice = arbor_store::Notice::TurnFinished {
+                conversation_id: self.conversation.id.clone(),
+                turn_id: self.turn.id.clone(),
+            };
+            if let Err(error) = self.inner.store.notify(&notice).await {
+                tracing::warn!(%error, "announcing the end of a turn failed");
+            }
         }
         let next = self.finish_events(reply.as_ref());
         tracing::info!(
@@ -232,6 +263,16 @@ impl TurnTask {
             temperature: None,
             reasoning: None,
         };
+        let mut request = request;
+        let reservation = match self.reserve_credits(&mut request).await? {
+            Ok(reservation) => reservation,
+            Err(message) => {
+                self.turn.status = TurnStatus::Failed;
+                self.turn.error_code = Some("quota_exceeded".into());
+                self.turn.error_message = Some(message);
+                return Ok(None);
+            }
+        };
         let result = self.call_model(request).await;
 
         // Price what the provider reported, even for a call that failed or
@@ -280,7 +321,10 @@ impl TurnTask {
             cost_micro_usd: cost.micro_usd,
             created_at: now_millis(),
         };
-        self.inner.store.record_call(&call, reply.as_ref()).await?;
+        match &reservation {
+            Some(reservation_id) => self.inner.store.settle_reservation(reservation_id, &call, reply.as_ref()).await?,
+            None => self.inner.store.record_call(&call, reply.as_ref()).await?,
+        };
         if let Some(reply) = &reply {
             self.conversation.head_version =
                 self.inner.store.set_head(&self.conversation.id, Some(&reply.id), None, now_millis()).await?;
@@ -354,6 +398,42 @@ impl TurnTask {
             }
         }
         Ok(reply)
+    }
+
+    /// For a user with a limited balance: caps the call's output and holds
+    /// the most it could cost, so that concurrent turns (on any node) can
+    /// never spend past the balance. `Err(message)` when the credits left do
+    /// not cover it; `Ok(None)` when the user is unlimited.
+    async fn reserve_credits(
+        &self,
+        request: &mut ChatRequest,
+    ) -> Result<Result<Option<String>, String>, arbor_store::StoreError> {
+        if !self.reserve {
+            return Ok(Ok(None));
+        }
+        let cap = self.model.info.max_output.clamp(1, MAX_OUTPUT_WHEN_LIMITED);
+        request.max_output_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
+        let system =
+            request.system.as_deref().map_or(0, |system| arbor_core::tokens::estimate_from_chars(system.len()));
+        // The estimate is doubled: four characters a token undercounts some
+        // scripts, and the reservation must be an upper bound.
+        let input = 2 * (arbor_core::tokens::estimate_messages(&request.messages) + system) + 256;
+        let bound = self.model.info.prices.cost(&Usage { input_tokens: input, output_tokens: cap, ..Usage::default() });
+        let now = now_millis();
+        let reservation = arbor_store::Reservation {
+            id: new_id(),
+            user_id: self.user.id.clone(),
+            credits: bound.credits().max(1),
+            created_at: now,
+            expires_at: now + self.inner.config.limits.turn_timeout.as_millis() as i64 + 60_000,
+        };
+        match self.inner.store.reserve_credits(&reservation).await? {
+            arbor_store::ReserveOutcome::Reserved { .. } => Ok(Ok(Some(reservation.id))),
+            arbor_store::ReserveOutcome::Insufficient { available } => Ok(Err(format!(
+                "this reply could cost up to {} credits and {available} are left; ask an administrator for more credits",
+                reservation.credits
+            ))),
+        }
     }
 
     /// Streams one model call, forwarding chunks as events as they come.

@@ -4,12 +4,14 @@
 //! themselves (everything that arrived while the last write ran goes in the
 //! next one); when idle each event is written as soon as it comes.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arbor_core::Event;
-use arbor_store::Store;
+use arbor_store::{Notice, Store};
+
+use crate::hub::Hub;
 use tokio::sync::{mpsc, oneshot};
 
 /// Largest number of events written in one transaction.
@@ -18,6 +20,9 @@ const MAX_BATCH: usize = 512;
 enum Message {
     /// An event, and the hub's "flushed up to" mark to advance once stored.
     Event(Event, Arc<AtomicI64>),
+    /// An event for the database to number (several nodes), and the hub to
+    /// publish it to once stored.
+    Unnumbered(Event, Weak<Hub>),
     Flush(oneshot::Sender<()>),
 }
 
@@ -40,6 +45,10 @@ impl EventWriter {
         let _ = self.sender.send(Message::Event(event, flushed));
     }
 
+    pub(crate) fn write_unnumbered(&self, event: Event, hub: Weak<Hub>) {
+        let _ = self.sender.send(Message::Unnumbered(event, hub));
+    }
+
     /// Waits until everything sent before this call is stored.
     pub(crate) async fn flush(&self) {
         let (done, wait) = oneshot::channel();
@@ -52,6 +61,7 @@ impl EventWriter {
 async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Message>) {
     let mut batch: Vec<Event> = Vec::with_capacity(MAX_BATCH);
     let mut marks: Vec<(Arc<AtomicI64>, i64)> = Vec::new();
+    let mut unnumbered: Vec<(Event, Weak<Hub>)> = Vec::new();
     let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
     while let Some(first) = receiver.recv().await {
         let mut next = Some(first);
@@ -61,9 +71,10 @@ async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Messag
                     marks.push((mark, event.seq));
                     batch.push(event);
                 }
+                Message::Unnumbered(event, hub) => unnumbered.push((event, hub)),
                 Message::Flush(waiter) => waiters.push(waiter),
             }
-            if batch.len() < MAX_BATCH {
+            if batch.len() + unnumbered.len() < MAX_BATCH {
                 next = receiver.try_recv().ok();
             }
         }
@@ -73,6 +84,9 @@ async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Messag
                 mark.fetch_max(seq, Ordering::AcqRel);
             }
             batch.clear();
+        }
+        if !unnumbered.is_empty() {
+            number_and_publish(store.as_ref(), std::mem::take(&mut unnumbered)).await;
         }
         for waiter in waiters.drain(..) {
             let _ = waiter.send(());
@@ -93,4 +107,50 @@ async fn write_with_retries(store: &dyn Store, batch: &[Event]) {
         }
     }
     tracing::error!(events = batch.len(), "storing events failed five times; these events are only in memory");
+}
+
+/// Stores events the database numbers, one conversation at a time (in the
+/// order they were emitted), publishes them to their hubs and wakes the
+/// other nodes.
+async fn number_and_publish(store: &dyn Store, events: Vec<(Event, Weak<Hub>)>) {
+    let mut groups: Vec<(Arc<str>, Weak<Hub>, Vec<Event>)> = Vec::new();
+    for (event, hub) in events {
+        match groups.iter_mut().find(|(conversation, _, _)| *conversation == event.conversation_id) {
+            Some((_, _, group)) => group.push(event),
+            None => groups.push((event.conversation_id.clone(), hub, vec![event])),
+        }
+    }
+    for (conversation_id, hub, group) in groups {
+        let mut delay = Duration::from_millis(20);
+        let mut numbered = None;
+        for attempt in 1..=5 {
+            match store.append_events_numbered(&conversation_id, &group).await {
+                Ok(stored) => {
+                    numbered = Some(stored);
+                    break;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, attempt, events = group.len(), "storing events failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+            }
+        }
+        let Some(numbered) = numbered else {
+            tracing::error!(events = group.len(), %conversation_id, "storing events failed five times; they are lost");
+            if let Some(hub) = hub.upgrade() {
+                hub.publish(&[], group.len());
+            }
+            continue;
+        };
+        if let Some(hub) = hub.upgrade() {
+            hub.publish(&numbered, group.len());
+        }
+        if let Some(last) = numbered.last() {
+            let notice = Notice::Events { conversation_id: conversation_id.to_string(), seq: last.seq };
+            if let Err(error) = store.notify(&notice).await {
+                tracing::warn!(%error, "announcing events to the other nodes failed; they will see them on their next read");
+            }
+        }
+    }
 }

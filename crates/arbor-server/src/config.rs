@@ -47,6 +47,9 @@ struct RawServer {
     max_body_bytes: Option<usize>,
     /// How long running turns may finish after a stop signal.
     shutdown_grace_secs: Option<u64>,
+    /// With several nodes: how long a running turn's lease lasts; a node
+    /// silent for this long has its turns taken over.
+    turn_lease_secs: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -126,6 +129,7 @@ pub struct Config {
     pub media_dir: PathBuf,
     pub max_body_bytes: usize,
     pub shutdown_grace: Duration,
+    pub turn_lease: Duration,
     pub default_model: Option<String>,
     pub providers: Vec<ProviderConfig>,
     pub models: BTreeMap<String, ModelEntry>,
@@ -147,6 +151,11 @@ const BUILT_IN: [(&str, ProviderKind, &str); 3] = [
 ];
 
 impl Config {
+    /// Whether several Arbor processes may share this database.
+    pub fn shared_database(&self) -> bool {
+        self.database_url.starts_with("postgres:") || self.database_url.starts_with("postgresql:")
+    }
+
     /// Reads `path` (if given) and applies the overrides.
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let raw = match path {
@@ -248,6 +257,7 @@ impl Config {
             media_dir,
             max_body_bytes: raw.server.max_body_bytes.unwrap_or(1024 * 1024),
             shutdown_grace: Duration::from_secs(raw.server.shutdown_grace_secs.unwrap_or(10)),
+            turn_lease: Duration::from_secs(raw.server.turn_lease_secs.unwrap_or(15).max(1)),
             default_model: raw.default_model,
             providers,
             models: raw.models,

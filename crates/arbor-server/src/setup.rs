@@ -63,7 +63,9 @@ pub async fn build_engine(config: &Config) -> Result<Engine, SetupError> {
     }
     let store = arbor_store::open(&config.database_url).await?;
     let models = build_models(config)?;
-    Ok(Engine::start(store, models, EngineConfig { limits: config.limits.clone() }).await?)
+    let engine_config =
+        EngineConfig { limits: config.limits.clone(), shared: config.shared_database(), turn_lease: config.turn_lease };
+    Ok(Engine::start(store, models, engine_config).await?)
 }
 
 /// The registry (shipped + config) and one adapter per configured provider.

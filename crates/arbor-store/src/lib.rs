@@ -14,6 +14,7 @@ mod codec;
 pub mod postgres;
 pub mod records;
 pub mod sqlite;
+pub mod testing;
 
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};

@@ -58,6 +58,18 @@ enum Command {
 
 #[derive(Subcommand)]
 enum UsersCommand {
+    /// Set a user's credit balance (1 credit = 1 micro-dollar).
+    Credits {
+        name: String,
+        /// The new balance.
+        #[arg(long, conflicts_with = "unlimited")]
+        set: Option<i64>,
+        /// Remove the limit.
+        #[arg(long)]
+        unlimited: bool,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Create a user; prints their first API key alone on stdout.
     Add {
         name: String,
@@ -112,6 +124,16 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let (_, key) = engine.create_user(&name, admin).await?;
             engine.flush_events().await;
             println!("{key}");
+            Ok(())
+        }
+        Command::Users { command: UsersCommand::Credits { name, set, unlimited, common } } => {
+            if set.is_none() && !unlimited {
+                anyhow::bail!("give --set N or --unlimited");
+            }
+            let engine = arbor_server::setup::build_engine(&load(&common, None)?).await?;
+            let user = engine.store().user_by_name(&name).await?.with_context(|| format!("no user named {name:?}"))?;
+            engine.store().set_balance(&user.id, set).await?;
+            eprintln!("{name}: {}", set.map_or("unlimited".to_string(), |credits| format!("{credits} credits")));
             Ok(())
         }
         Command::Keys { command: KeysCommand::Create { user, common } } => {

@@ -203,6 +203,7 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
     };
     let status = match code {
         "rate_limit" => StatusCode::TOO_MANY_REQUESTS,
+        "quota_exceeded" => StatusCode::PAYMENT_REQUIRED,
         "context_length_exceeded" | "invalid_request" | "content_filter" => StatusCode::UNPROCESSABLE_ENTITY,
         "timeout" => StatusCode::GATEWAY_TIMEOUT,
         "cancelled" | "interrupted" => StatusCode::CONFLICT,

@@ -305,3 +305,46 @@ async fn arbor_reports_its_own_overhead_per_turn_and_as_a_metric() {
     assert!(metrics.contains("arbor_turn_overhead_seconds_count 1"), "{metrics}");
     assert!(metrics.contains("arbor_turns_total{status=\"succeeded\"} 1"), "{metrics}");
 }
+
+#[tokio::test]
+async fn concurrent_turns_never_spend_past_a_users_credits() {
+    let app = spawn_app().await;
+    let key = app.new_user("limited").await;
+    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
+    // A demo reply costs ~20 credits, but each call first holds its worst
+    // case (~1,700 credits for 4,096 output tokens): 2,000 covers one at a time.
+    app.engine.store().set_balance(&user.id, Some(2_000)).await.expect("balance set");
+    let mut conversations = Vec::new();
+    for _ in 0..8 {
+        conversations.push(app.new_conversation(&key, json!({})).await);
+    }
+    let body = json!({"content": "spend"});
+    let paths: Vec<String> =
+        conversations.iter().map(|conversation| format!("/v1/conversations/{conversation}/messages")).collect();
+    let posts = paths.iter().map(|path| app.post(&key, path, &body));
+    let responses = futures_util::future::join_all(posts).await;
+    let succeeded = responses.iter().filter(|response| response.status == 200).count();
+    assert!(succeeded >= 1, "at least one turn fits");
+    for response in responses.iter().filter(|response| response.status != 200) {
+        assert_eq!(response.status, 402, "{:?}", response.body);
+        assert_eq!(response.body["error"]["code"], "quota_exceeded");
+    }
+    let after = app.engine.store().user(&user.id).await.expect("read").expect("user");
+    let balance = after.balance_credits.expect("still limited");
+    assert!(balance >= 0, "never below zero: {balance}");
+    let ledger = app.engine.store().ledger(&user.id, 100).await.expect("ledger");
+    let charged: i64 = ledger.iter().map(|entry| entry.credits).sum();
+    assert_eq!(charged, 2_000 - balance, "every credit spent is in the ledger");
+    assert_eq!(
+        app.engine.store().available_credits(&user.id).await.expect("read"),
+        Some(balance),
+        "no credits left held"
+    );
+
+    // With nothing left, a submit is refused up front with 402.
+    app.engine.store().set_balance(&user.id, Some(0)).await.expect("balance set");
+    let refused =
+        app.post(&key, &format!("/v1/conversations/{}/messages", conversations[0]), &json!({"content": "more"})).await;
+    assert_eq!(refused.status, 402);
+    assert_eq!(refused.body["error"]["code"], "quota_exceeded");
+}
