@@ -1,0 +1,505 @@
+#!/usr/bin/env python3
+"""Writes bench/REPORT.md from the results of bench/run.sh.
+
+Usage: report.py RESULTS_DIR REPORT_PATH
+
+Each load point was measured in several runs (one JSON line each, written
+by `arbor-bench load`); every figure below is the median over those runs.
+Overhead is Arbor's percentile minus the direct-to-mock percentile at the
+same rate. bench/analysis.md and bench/profile.md (written by hand after a
+run) are copied in when present.
+"""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS = Path(sys.argv[1])
+REPORT = Path(sys.argv[2])
+BENCH = Path(__file__).resolve().parent
+GOAL_US = 1000  # the 1 ms overhead goal
+RSS_GOAL_KIB = 100_000_000 / 1024  # 100 MB
+
+
+def read_lines(name):
+    path = RESULTS / name
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_json(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+loads = read_lines("loads.jsonl")
+parity = read_lines("parity.jsonl")
+trees = read_lines("tree.jsonl")
+machine = read_json("machine.json") or {}
+litellm = read_json("litellm.json")
+postgres = read_json("postgres.json")
+
+
+def median(values):
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+
+class Point:
+    """The runs of one scenario at one rate, reduced to medians."""
+
+    def __init__(self, runs):
+        self.runs = runs
+        self.rate = runs[0]["rate"]
+        self.sent = sum(run["sent"] for run in runs)
+        self.ok = sum(run["ok"] for run in runs)
+        self.errors = defaultdict(int)
+        for run in runs:
+            for name, count in run["errors"].items():
+                self.errors[name] += count
+
+    def get(self, field, key=None):
+        values = []
+        for run in self.runs:
+            value = run.get(field)
+            if value is not None and key is not None:
+                value = value[key] if isinstance(key, int) else value.get(key)
+            values.append(value)
+        return median(values)
+
+    @property
+    def all_ok(self):
+        return self.sent > 0 and self.ok == self.sent
+
+    @property
+    def success(self):
+        return 100.0 * self.ok / self.sent if self.sent else 0.0
+
+
+points = defaultdict(list)
+for run in loads:
+    points[(run["scenario"], run["variant"], run["rate"])].append(run)
+points = {key: Point(runs) for key, runs in points.items()}
+
+
+def point(scenario, rate, variant=None):
+    for (name, variant_name, point_rate), value in points.items():
+        if name == scenario and point_rate == rate and (variant is None or variant == variant_name):
+            return value
+    return None
+
+
+def rates(scenario, variant=None):
+    return sorted({rate for (name, v, rate) in points if name == scenario and (variant is None or v == variant)})
+
+
+def us(value):
+    """Microseconds for a table cell: µs below 10 ms, ms above."""
+    if value is None:
+        return "—"
+    if abs(value) >= 10_000:
+        return f"{value / 1000:.1f} ms"
+    return f"{value:.0f} µs"
+
+
+def pair(a, b):
+    return f"{us(a)} / {us(b)}"
+
+
+def minus(a, b):
+    return None if a is None or b is None else a - b
+
+
+def rate_text(rate):
+    return f"{rate:g}"
+
+
+def mib(kib):
+    return "—" if kib is None else f"{kib / 1024:.1f} MiB"
+
+
+def success_text(p):
+    text = f"{p.success:.2f}%" if not p.all_ok else "100%"
+    if p.errors:
+        text += " (" + ", ".join(f"{name}: {count}" for name, count in sorted(p.errors.items())) + ")"
+    return text
+
+
+# Which baseline and which latency each Arbor scenario is compared on.
+BASELINE = {
+    "S1": ("S0", "latency_us", "to answer"),
+    "S2": ("S0-60ms", "latency_us", "to answer"),
+    "S3": ("S0-stream", "first_delta_us", "to first token"),
+    "S3-nodelay": ("S0-stream", "first_delta_us", "to first token"),
+    "S4": ("S0", "latency_us", "to answer"),
+    "S4-stream": ("S0-stream", "first_delta_us", "to first token"),
+}
+
+
+def overhead(p, base, field, q):
+    return minus(p.get(field, q) if p else None, base.get(field, q) if base else None)
+
+
+def own_overhead(p, q):
+    """Arbor's own measure: the header in JSON mode, else the metric."""
+    header = p.get("header_overhead_us", q)
+    if header is not None:
+        return header
+    return p.get("metric_overhead_us", 0 if q == "p50" else 1)
+
+
+out = []
+w = out.append
+
+w("# Arbor benchmark report")
+w("")
+date = machine.get("date", "?")
+commit = machine.get("commit", "?") + (" (with uncommitted changes)" if machine.get("dirty") else "")
+w(f"Run on {date}, commit `{commit}`, on {machine.get('cores', '?')} cores of a {machine.get('cpu', '?')} "
+  f"({machine.get('memory', '?')} memory). Arbor pinned to core {machine.get('arbor_core', '?')}, "
+  f"the mocks and the load client to core {machine.get('load_core', '?')}. Each point: a warm-up, "
+  "then 3 measured runs; figures are medians over the runs. Latencies are measured from each "
+  "request's scheduled send time (open loop). **Overhead = Arbor's percentile minus the "
+  "direct-to-mock percentile at the same rate**; *Arbor's own* is the `x-arbor-overhead-us` header "
+  "(JSON turns) or the `arbor_turn_overhead_seconds` histogram (streamed turns), both Arbor's "
+  "measure of a turn's time outside the provider call.")
+if machine.get("smoke"):
+    w("")
+    w("**Smoke run** (dev build, tiny rates): these numbers say nothing about performance.")
+w("")
+
+# ---------------------------------------------------------------- first table
+w("## Summary")
+w("")
+w("Streamed rows (S3, S4-stream) compare the time to the first token; the others the time to "
+  "the whole answer. The LiteLLM column is LiteLLM's overhead over the same mock at the same rate, "
+  "where it was run (S6).")
+w("")
+w("| scenario | rate (req/s) | Arbor p50 / p99 | direct p50 / p99 | overhead p50 / p99 | LiteLLM overhead p50 / p99 "
+  "| Arbor's own p50 / p99 | success | peak RSS |")
+w("|---|---|---|---|---|---|---|---|---|")
+for scenario, variant in [("S1", "sqlite"), ("S2", "sqlite"), ("S3", "sqlite"), ("S3-nodelay", "sqlite"),
+                          ("S4", "postgres"), ("S4-stream", "postgres")]:
+    base_name, field, _ = BASELINE[scenario]
+    for rate in rates(scenario, variant):
+        p = point(scenario, rate, variant)
+        base = point(base_name, rate)
+        lite = point("S6", rate) if scenario == "S1" else None
+        lite_cell = "—"
+        if lite:
+            lite_cell = pair(overhead(lite, base, "latency_us", "p50"), overhead(lite, base, "latency_us", "p99"))
+            if not lite.all_ok:
+                lite_cell += f" ({lite.success:.0f}% ok)"
+        label = scenario if variant == "sqlite" else f"{scenario} ({variant})"
+        if scenario == "S3-nodelay":
+            label = "S3 + TCP_NODELAY"
+        w(f"| {label} | {rate_text(rate)} | {pair(p.get(field, 'p50'), p.get(field, 'p99'))} "
+          f"| {pair(base.get(field, 'p50') if base else None, base.get(field, 'p99') if base else None)} "
+          f"| {pair(overhead(p, base, field, 'p50'), overhead(p, base, field, 'p99'))} | {lite_cell} "
+          f"| {pair(own_overhead(p, 'p50'), own_overhead(p, 'p99'))} | {success_text(p)} "
+          f"| {mib(p.get('server_peak_rss_kib'))} |")
+w("")
+
+# ---------------------------------------------------------------- goals
+s1_rates = rates("S1", "sqlite")
+
+
+def s1_overhead_p99(rate):
+    return overhead(point("S1", rate, "sqlite"), point("S0", rate), "latency_us", "p99")
+
+
+knee = None
+knee_success_only = None
+for rate in s1_rates:
+    p = point("S1", rate, "sqlite")
+    if p.all_ok and all(run["ok"] == run["sent"] for run in p.runs):
+        knee_success_only = rate
+        value = s1_overhead_p99(rate)
+        if value is not None and value < GOAL_US:
+            knee = rate
+
+w("## Goals (issue 6), checked against this run")
+w("")
+w("| goal | measured | met? |")
+w("|---|---|---|")
+at_2000 = point("S1", 2000, "sqlite")
+if at_2000:
+    value = s1_overhead_p99(2000)
+    met = at_2000.all_ok and value is not None and value < GOAL_US
+    w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | at 2,000/s: "
+      f"p99 overhead {us(value)}, {success_text(at_2000)}, Arbor's own p99 {us(own_overhead(at_2000, 'p99'))}; "
+      f"knee (100% success and p99 overhead < 1 ms): **{rate_text(knee) if knee else 'none'} turns/s**; "
+      f"highest rate with 100% success: {rate_text(knee_success_only) if knee_success_only else 'none'} "
+      f"| {'yes' if met else '**no**'} |")
+stream_rates = rates("S3", "sqlite")
+if stream_rates:
+    values = [(rate, overhead(point("S3", rate, "sqlite"), point("S0-stream", rate), "first_delta_us", "p99"))
+              for rate in stream_rates]
+    met = all(value is not None and value < GOAL_US and point("S3", rate, "sqlite").all_ok for rate, value in values)
+    text = ", ".join(f"{rate_text(rate)}/s: {us(value)}" for rate, value in values)
+    w(f"| streaming time-to-first-token overhead p99 < 1 ms (S3) | {text} | {'yes' if met else '**no**'} |")
+s2_3000 = point("S2", 3000, "sqlite")
+if s2_3000:
+    peak = s2_3000.get("server_peak_rss_kib")
+    achieved = s2_3000.get("achieved_rps")
+    met = peak is not None and peak < RSS_GOAL_KIB and s2_3000.all_ok
+    w(f"| < 100 MB RSS at 3,000 requests/s (S2, 60 ms mock) | peak {mib(peak)} ({peak * 1024 / 1e6:.0f} MB), "
+      f"achieved {achieved:.0f}/s, {success_text(s2_3000)} | {'yes' if met else '**no**'} |")
+lite_rates = rates("S6")
+if lite_rates:
+    ratios = []
+    for rate in lite_rates:
+        lite = point("S6", rate)
+        arbor = point("S1", rate, "sqlite")
+        base = point("S0", rate)
+        if not (lite and arbor and base):
+            continue
+        lite_p50 = overhead(lite, base, "latency_us", "p50")
+        arbor_p50 = overhead(arbor, base, "latency_us", "p50")
+        ratios.append((rate, lite_p50, arbor_p50))
+    if ratios:
+        text = "; ".join(
+            f"{rate_text(rate)}/s: LiteLLM +{us(lite)} vs Arbor +{us(arbor)} p50"
+            + (f" (×{lite / arbor:.0f})" if arbor and arbor > 0 else " (Arbor's is within noise of 0)")
+            for rate, lite, arbor in ratios)
+        met = all(arbor is not None and lite is not None and (arbor <= 0 or lite / arbor >= 100)
+                  for _, lite, arbor in ratios)
+        w(f"| ≥ 100× less added latency than LiteLLM at the same rates (S6) | {text} | {'yes' if met else '**no**'} |")
+    lite_ok = [rate for rate in lite_rates if point("S6", rate).all_ok]
+    lite_top = max(lite_ok) if lite_ok else None
+    lite_best = max((point("S6", rate).get("achieved_rps") or 0) for rate in lite_rates)
+    arbor_top = knee_success_only
+    if arbor_top and lite_best:
+        ratio = arbor_top / lite_best
+        w(f"| ≥ 100× the throughput of LiteLLM (S1 vs S6) | Arbor: {rate_text(arbor_top)} turns/s with 100% success; "
+          f"LiteLLM: best achieved {lite_best:.0f}/s"
+          + (f", 100% success up to {rate_text(lite_top)}/s" if lite_top else "")
+          + f"; ratio ×{ratio:.0f} | {'yes' if ratio >= 100 else '**no**'} |")
+elif litellm and litellm.get("error"):
+    w("| LiteLLM ratios (S6) | LiteLLM could not be run (see S6) | not measured |")
+w("")
+
+# ---------------------------------------------------------------- S0/S1
+w("## S0 / S1: non-streamed turns, 0 ms mock")
+w("")
+w("JSON mode (`POST /v1/conversations/{id}/messages`, no `Accept: text/event-stream`): the client waits "
+  "for the finished turn. Each turn persists the user message, the turn, the assistant message, the "
+  "`api_calls` and `cost_ledger` rows and the turn's events. Direct = the same request body straight to "
+  "the mock's `/v1/chat/completions`. CPU is Arbor's user+system time over the run.")
+w("")
+w("| rate | achieved | success | direct p50 / p99 | Arbor p50 / p95 / p99 | overhead p50 / p99 "
+  "| header p50 / p99 | metric p50 / p99 | Arbor CPU | CPU per turn | peak RSS |")
+w("|---|---|---|---|---|---|---|---|---|---|---|")
+for rate in s1_rates:
+    p = point("S1", rate, "sqlite")
+    base = point("S0", rate)
+    w(f"| {rate_text(rate)} | {p.get('achieved_rps'):.0f}/s | {success_text(p)} "
+      f"| {pair(base.get('latency_us', 'p50'), base.get('latency_us', 'p99')) if base else '—'} "
+      f"| {us(p.get('latency_us', 'p50'))} / {us(p.get('latency_us', 'p95'))} / {us(p.get('latency_us', 'p99'))} "
+      f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
+      f"| {pair(p.get('header_overhead_us', 'p50'), p.get('header_overhead_us', 'p99'))} "
+      f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
+      f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} "
+      f"| {mib(p.get('server_peak_rss_kib'))} |")
+w("")
+w(f"Knee (highest rate with 100% success and p99 overhead < 1 ms): **{rate_text(knee) if knee else 'none'}**. "
+  f"Highest rate with 100% success: {rate_text(knee_success_only) if knee_success_only else 'none'}.")
+w("")
+
+# ---------------------------------------------------------------- S2
+w("## S2: 60 ms mock")
+w("")
+w("| rate | achieved | success | direct p95 / p99 | Arbor p50 / p95 / p99 | overhead p95 / p99 | header p99 "
+  "| Arbor CPU | peak RSS (VmHWM) | RSS after |")
+w("|---|---|---|---|---|---|---|---|---|---|")
+for rate in rates("S2", "sqlite"):
+    p = point("S2", rate, "sqlite")
+    base = point("S0-60ms", rate)
+    w(f"| {rate_text(rate)} | {p.get('achieved_rps'):.0f}/s | {success_text(p)} "
+      f"| {pair(base.get('latency_us', 'p95'), base.get('latency_us', 'p99')) if base else '—'} "
+      f"| {us(p.get('latency_us', 'p50'))} / {us(p.get('latency_us', 'p95'))} / {us(p.get('latency_us', 'p99'))} "
+      f"| {pair(overhead(p, base, 'latency_us', 'p95'), overhead(p, base, 'latency_us', 'p99'))} "
+      f"| {us(p.get('header_overhead_us', 'p99'))} | {p.get('server_cpu_percent') or 0:.0f}% "
+      f"| {mib(p.get('server_peak_rss_kib'))} | {mib(p.get('server_rss_kib'))} |")
+w("")
+w("Peak RSS is `VmHWM` from `/proc/PID/status`, reset (`clear_refs` 5) before each run, so it is the peak "
+  "of that run (which includes what earlier, lower rates left allocated).")
+w("")
+
+# ---------------------------------------------------------------- S3
+w("## S3: streamed turns")
+w("")
+chunks = machine.get("chunks", "?")
+w(f"The mock streams {chunks} text chunks {machine.get('chunk_delay_ms', '?')} ms apart. TTFT = scheduled send → "
+  "first `delta` event (Arbor) or first chunk with text (direct). Gap = time between consecutive text "
+  "deltas; *added gap* = Arbor's gap percentile minus the direct one.")
+w("")
+w("Rows marked *nodelay* ran Arbor with `TCP_NODELAY` set on its accepted sockets (an `LD_PRELOAD` shim, "
+  "`bench/nodelay.c`; the mock always has it), which is what the one-line fix proposed in the profile section does.")
+w("")
+w("| Arbor | rate | success | TTFT direct p50 / p99 | TTFT Arbor p50 / p99 | TTFT overhead p50 / p99 | first event p50 / p99 "
+  "| gap direct p50 / p99 | gap Arbor p50 / p99 | added gap p50 / p99 | done overhead p50 / p99 | metric p50 / p99 "
+  "| Arbor CPU |")
+w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for scenario, label in [("S3", "as built"), ("S3-nodelay", "nodelay")]:
+  for rate in rates(scenario, "sqlite"):
+    p = point(scenario, rate, "sqlite")
+    base = point("S0-stream", rate)
+    g = lambda point_, field, q: point_.get(field, q) if point_ else None  # noqa: E731
+    w(f"| {label} | {rate_text(rate)} | {success_text(p)} "
+      f"| {pair(g(base, 'first_delta_us', 'p50'), g(base, 'first_delta_us', 'p99'))} "
+      f"| {pair(g(p, 'first_delta_us', 'p50'), g(p, 'first_delta_us', 'p99'))} "
+      f"| {pair(overhead(p, base, 'first_delta_us', 'p50'), overhead(p, base, 'first_delta_us', 'p99'))} "
+      f"| {pair(g(p, 'first_event_us', 'p50'), g(p, 'first_event_us', 'p99'))} "
+      f"| {pair(g(base, 'delta_gap_us', 'p50'), g(base, 'delta_gap_us', 'p99'))} "
+      f"| {pair(g(p, 'delta_gap_us', 'p50'), g(p, 'delta_gap_us', 'p99'))} "
+      f"| {pair(overhead(p, base, 'delta_gap_us', 'p50'), overhead(p, base, 'delta_gap_us', 'p99'))} "
+      f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
+      f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
+      f"| {p.get('server_cpu_percent') or 0:.0f}% |")
+w("")
+
+# ---------------------------------------------------------------- S4
+w("## S4: SQLite and PostgreSQL")
+w("")
+if postgres and postgres.get("skipped"):
+    w(f"PostgreSQL was skipped: {postgres['skipped']}.")
+    w("")
+pg_rates = rates("S4", "postgres")
+if pg_rates:
+    w("JSON turns on the 0 ms mock (the SQLite figures are S1's at the same rate), then streamed turns.")
+    w("")
+    w("| mode | rate | backend | success | Arbor p50 / p99 | overhead p50 / p99 | Arbor's own p50 / p99 | Arbor CPU "
+      "| CPU per turn |")
+    w("|---|---|---|---|---|---|---|---|---|")
+    for mode, pg_name, lite_name, base_name, field in [
+        ("JSON", "S4", "S1", "S0", "latency_us"),
+        ("stream (TTFT)", "S4-stream", "S3", "S0-stream", "first_delta_us"),
+    ]:
+        for rate in rates(pg_name, "postgres"):
+            base = point(base_name, rate)
+            for backend, p in [("sqlite", point(lite_name, rate, "sqlite")), ("postgres", point(pg_name, rate, "postgres"))]:
+                if not p:
+                    continue
+                w(f"| {mode} | {rate_text(rate)} | {backend} | {success_text(p)} "
+                  f"| {pair(p.get(field, 'p50'), p.get(field, 'p99'))} "
+                  f"| {pair(overhead(p, base, field, 'p50'), overhead(p, base, field, 'p99'))} "
+                  f"| {pair(own_overhead(p, 'p50'), own_overhead(p, 'p99'))} "
+                  f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} |")
+    w("")
+    w("PostgreSQL runs on this machine, unpinned, so its server processes share both cores with Arbor and "
+      "the load; its CPU is not in Arbor's CPU column.")
+    w("")
+if parity:
+    w("**Parity check**: a fresh run of JSON turns, then rows counted in the database (delta over the run). "
+      "Every successful turn must have left one succeeded turn, one user and one assistant message, one "
+      "`api_calls` row and one `cost_ledger` row.")
+    w("")
+    w("| backend | requests | successes | turns succeeded | user messages | assistant messages | api_calls "
+      "| cost_ledger | all turns | parity |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for check in parity:
+        rows = check["rows"]
+        w(f"| {check['backend']} | {check['sent']} | {check['ok']} | {rows['turns_succeeded']} | {rows['user_messages']} "
+          f"| {rows['assistant_messages']} | {rows['api_calls']} | {rows['cost_ledger']} | {rows['turns']} "
+          f"| {'**ok**' if check['match'] else '**MISMATCH**'} |")
+    w("")
+
+# ---------------------------------------------------------------- S5
+w("## S5: a long conversation")
+w("")
+if trees:
+    first = trees[0]
+    w(f"One conversation: a trunk of {first['trunk']} messages and {first['branches']} branches of "
+      f"{first['branch_length']} messages forking at evenly spaced points ({first['messages']} messages), "
+      "recorded with views (`run: false`). Then, repeatedly and one request at a time: move the head to "
+      "another branch's leaf, load the whole tree, load the active path (`?path=1`, the context a turn "
+      "sends), and run one JSON turn at that leaf (0 ms mock).")
+    w("")
+    w("| backend | record trunk | record a branch p50 | move head p50 / p99 | load tree p50 / p99 (size) "
+      "| load path p50 / p99 (length) | turn at leaf p50 / p99 | its header overhead p50 / p99 |")
+    w("|---|---|---|---|---|---|---|---|")
+    for tree in trees:
+        s = lambda name, q: (tree.get(name) or {}).get(q)  # noqa: E731
+        w(f"| {tree.get('backend', '?')} | {tree['record_trunk_ms']:.0f} ms | {us(s('record_branch_us', 'p50'))} "
+          f"| {pair(s('switch_branch_us', 'p50'), s('switch_branch_us', 'p99'))} "
+          f"| {pair(s('load_tree_us', 'p50'), s('load_tree_us', 'p99'))} ({tree['load_tree_bytes'] / 1e6:.1f} MB) "
+          f"| {pair(s('load_path_us', 'p50'), s('load_path_us', 'p99'))} ({tree['path_length']}) "
+          f"| {pair(s('turn_us', 'p50'), s('turn_us', 'p99'))} "
+          f"| {pair(s('turn_overhead_us', 'p50'), s('turn_overhead_us', 'p99'))} |")
+    w("")
+
+# ---------------------------------------------------------------- S6
+w("## S6: LiteLLM")
+w("")
+if litellm is None:
+    w("Not run (`--no-litellm` or `--only`).")
+elif litellm.get("error"):
+    w("LiteLLM could not be run:")
+    w("")
+    w("```")
+    w(litellm["error"].strip())
+    w("```")
+else:
+    w(f"LiteLLM proxy {litellm.get('version', '?')} (`litellm --num_workers 1`, pinned to Arbor's core, "
+      "master key set, no database) in front of the same 0 ms mock, non-streamed chat completions.")
+    w("")
+    w("| rate | achieved | success | direct p50 / p99 | LiteLLM p50 / p99 | LiteLLM overhead p50 / p99 "
+      "| Arbor overhead p50 / p99 | ratio p50 / p99 | LiteLLM CPU | peak RSS |")
+    w("|---|---|---|---|---|---|---|---|---|---|")
+    for rate in lite_rates:
+        lite = point("S6", rate)
+        base = point("S0", rate)
+        arbor = point("S1", rate, "sqlite")
+        lo50, lo99 = overhead(lite, base, "latency_us", "p50"), overhead(lite, base, "latency_us", "p99")
+        ao50, ao99 = overhead(arbor, base, "latency_us", "p50"), overhead(arbor, base, "latency_us", "p99")
+        ratio = lambda a, b: f"×{a / b:.0f}" if a is not None and b and b > 0 else "—"  # noqa: E731
+        w(f"| {rate_text(rate)} | {lite.get('achieved_rps'):.0f}/s | {success_text(lite)} "
+          f"| {pair(base.get('latency_us', 'p50'), base.get('latency_us', 'p99')) if base else '—'} "
+          f"| {pair(lite.get('latency_us', 'p50'), lite.get('latency_us', 'p99'))} | {pair(lo50, lo99)} "
+          f"| {pair(ao50, ao99)} | {ratio(lo50, ao50)} / {ratio(lo99, ao99)} "
+          f"| {lite.get('server_cpu_percent') or 0:.0f}% | {mib(lite.get('server_peak_rss_kib'))} |")
+w("")
+
+# ---------------------------------------------------------------- machine, commands
+w("## The machine")
+w("")
+w(f"- CPU: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores")
+w(f"- memory: {machine.get('memory', '?')}")
+w(f"- kernel: {machine.get('kernel', '?')}")
+w(f"- {machine.get('rustc', '?')}; release profile (thin LTO, 4 codegen units)")
+w(f"- date: {date}; commit `{commit}`")
+w("")
+w("## Reproduce")
+w("")
+w("```sh")
+w("bench/run.sh                 # everything (~15 min), rewrites bench/results/ and bench/REPORT.md")
+w("bench/run.sh --only 'S1 S3'  # some scenarios")
+w("bench/run.sh --smoke         # the harness at a tiny rate, as CI runs it")
+w("```")
+w("")
+w("S6 needs `litellm` (`python3 -m venv bench/.venv && bench/.venv/bin/pip install 'litellm[proxy]'`, or "
+  "`BENCH_INSTALL_LITELLM=1`); S4 needs PostgreSQL on 127.0.0.1:5432 with trust auth. One load point by hand:")
+w("")
+w("```sh")
+w("cargo build --release -p arbor -p arbor-testkit -p arbor-bench")
+w("taskset -c 1 target/release/arbor-mock --listen 127.0.0.1:9100 &")
+w("taskset -c 0 target/release/arbor serve --config arbor.toml &   # prints the admin key")
+w("ARBOR_BENCH_KEY=arb_... taskset -c 1 target/release/arbor-bench load --target arbor \\")
+w("    --base-url http://127.0.0.1:8080 --model mock-0 --rate 1000 --duration 5 --runs 3")
+w("taskset -c 1 target/release/arbor-bench load --target openai --base-url http://127.0.0.1:9100/v1 --rate 1000")
+w("```")
+w("")
+w("Raw results (one JSON line per run, all times in µs): `bench/results/`.")
+w("")
+
+for name in ["analysis.md", "profile.md"]:
+    path = BENCH / name
+    if path.exists() and not machine.get("smoke"):
+        w(path.read_text().rstrip())
+        w("")
+
+REPORT.write_text("\n".join(out) + "\n")
