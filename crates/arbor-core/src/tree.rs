@@ -21,6 +21,12 @@ impl Tree {
         Tree { nodes, by_id }
     }
 
+    /// Adds a node (a new leaf) to the index.
+    pub fn push(&mut self, node: Node) {
+        self.by_id.insert(node.id.clone(), self.nodes.len());
+        self.nodes.push(node);
+    }
+
     pub fn get(&self, id: &str) -> Option<&Node> {
         self.by_id.get(id).map(|&index| &self.nodes[index])
     }

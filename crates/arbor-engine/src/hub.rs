@@ -15,6 +15,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use arbor_core::Node;
+use arbor_core::tree::Tree;
 use arbor_store::{Turn, User};
 use tokio::sync::watch;
 
@@ -110,6 +111,10 @@ pub(crate) struct Hub {
     writer: EventWriter,
     /// Highest seq the writer has stored.
     flushed: Arc<AtomicI64>,
+    /// The conversation's tree as of a head version: the active branch and
+    /// its neighbours served from memory while the conversation is busy.
+    /// Any write elsewhere bumps the version, so a stale copy is never used.
+    tree: Mutex<Option<(i64, Arc<Tree>)>>,
 }
 
 /// What a new viewer gets: the recent events after its position, and a
@@ -139,7 +144,35 @@ impl Hub {
             sender,
             writer,
             flushed: Arc::new(AtomicI64::new(last_seq)),
+            tree: Mutex::new(None),
         })
+    }
+
+    /// The cached tree, if it is the one at `head_version`.
+    pub(crate) fn cached_tree(&self, head_version: i64) -> Option<Arc<Tree>> {
+        let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        cache.as_ref().filter(|(version, _)| *version == head_version).map(|(_, tree)| tree.clone())
+    }
+
+    pub(crate) fn cache_tree(&self, head_version: i64, tree: Arc<Tree>) {
+        *self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((head_version, tree));
+    }
+
+    /// Records that this node wrote `nodes` (possibly none: a head move),
+    /// taking the tree from `from_version` to `to_version`. A cache at any
+    /// other version is dropped.
+    pub(crate) fn advance_tree(&self, from_version: i64, to_version: i64, nodes: &[Node]) {
+        let mut cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match cache.take() {
+            Some((version, mut tree)) if version == from_version => {
+                let index = Arc::make_mut(&mut tree);
+                for node in nodes {
+                    index.push(node.clone());
+                }
+                *cache = Some((to_version, tree));
+            }
+            _ => *cache = None,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, HubState> {

@@ -335,6 +335,7 @@ impl Inner {
             )),
             other => other.into(),
         })?;
+        hub.advance_tree(conversation.head_version, head_version, nodes);
         for node in nodes {
             hub.emit(turn_id, EventName::MessageNew, &json!({ "message": node, "head_version": head_version }));
         }
@@ -357,6 +358,7 @@ impl Inner {
                     other => other.into(),
                 }
             })?;
+        hub.advance_tree(conversation.head_version, head_version, &[]);
         hub.emit(
             None,
             EventName::HeadMoved,
@@ -579,6 +581,7 @@ impl Inner {
         };
         if let Some(last) = nodes.last() {
             hub.set_reply_parent(&turn.id, &last.id);
+            hub.advance_tree(conversation.head_version, head_version, &nodes);
         }
         Ok((turn, nodes, head_version))
     }

@@ -230,8 +230,15 @@ impl TurnTask {
 
     /// Runs the model call and records it. Returns the assistant message.
     async fn drive(&mut self) -> Result<Option<Node>, arbor_store::StoreError> {
-        let nodes = self.inner.store.messages(&self.conversation.id).await?;
-        let tree = Tree::new(nodes);
+        let version = self.conversation.head_version;
+        let tree = match self.hub.cached_tree(version) {
+            Some(tree) => tree,
+            None => {
+                let tree = Arc::new(Tree::new(self.inner.store.messages(&self.conversation.id).await?));
+                self.hub.cache_tree(version, tree.clone());
+                tree
+            }
+        };
         let path: Vec<Message> = tree
             .path_to(&self.turn.user_message_id)
             .into_iter()
@@ -326,9 +333,11 @@ impl TurnTask {
             None => self.inner.store.record_call(&call, reply.as_ref()).await?,
         };
         if let Some(reply) = &reply {
+            let before = self.conversation.head_version;
             self.conversation.head_version =
                 self.inner.store.set_head(&self.conversation.id, Some(&reply.id), None, now_millis()).await?;
             self.conversation.head_id = Some(reply.id.clone());
+            self.hub.advance_tree(before, self.conversation.head_version, std::slice::from_ref(reply));
         }
 
         self.hub.emit(

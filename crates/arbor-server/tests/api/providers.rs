@@ -253,3 +253,39 @@ async fn an_image_for_a_model_without_vision_is_refused_before_any_call() {
     let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await.body;
     assert_eq!(tree["messages"].as_array().expect("messages").len(), 0);
 }
+
+#[tokio::test]
+async fn the_model_sees_messages_written_by_another_node_between_turns() {
+    let (app, mocks) = app_with_mocks().await;
+    let key = app.admin_key.clone();
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let path = format!("/v1/conversations/{conversation}/messages");
+    let first = app.post(&key, &path, &json!({"content": "first question"})).await;
+    assert_eq!(first.status, 200);
+    // Another process appends to the same conversation directly in the store
+    // (the head moves there), behind this node's in-memory tree.
+    let reply_id = first.body["message"]["id"].as_str().expect("reply id").to_string();
+    let outside = arbor_core::Node {
+        id: "outside".into(),
+        conversation_id: conversation.clone(),
+        parent_id: Some(reply_id),
+        message: arbor_core::Message::user("written elsewhere"),
+        model: None,
+        provider: None,
+        turn_id: None,
+        copied_from: None,
+        status: Default::default(),
+        created_at: arbor_core::ids::now_millis(),
+    };
+    app.engine.store().append_messages(&[outside], arbor_core::ids::now_millis()).await.expect("appended");
+    let second = app.post(&key, &path, &json!({"content": "second question"})).await;
+    assert_eq!(second.status, 200, "{:?}", second.body);
+    let sent = mocks.openai.last_call().expect("called").body;
+    let contents: Vec<&str> = sent["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|message| message["content"].as_str())
+        .collect();
+    assert_eq!(contents, ["first question", "mock reply", "written elsewhere", "second question"]);
+}
