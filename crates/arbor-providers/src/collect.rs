@@ -42,8 +42,7 @@ impl Collected {
             Chunk::ThinkingSignature(signature) => self.close_thinking(Some(signature.clone())),
             Chunk::RedactedThinking(data) => {
                 self.close_thinking(None);
-                self.parts
-                    .push(Part::RedactedThinking { data: data.clone() });
+                self.parts.push(Part::RedactedThinking { data: data.clone() });
             }
             Chunk::ToolCallStart { index, id, name } => {
                 self.close_thinking(None);
@@ -55,20 +54,12 @@ impl Collected {
                 });
             }
             Chunk::ToolCallArguments { index, fragment } => {
-                if let Some(call) = self
-                    .pending_calls
-                    .iter_mut()
-                    .find(|call| call.index == *index)
-                {
+                if let Some(call) = self.pending_calls.iter_mut().find(|call| call.index == *index) {
                     call.arguments.push_str(fragment);
                 }
             }
             Chunk::ToolCallEnd { index, signature } => {
-                if let Some(position) = self
-                    .pending_calls
-                    .iter()
-                    .position(|call| call.index == *index)
-                {
+                if let Some(position) = self.pending_calls.iter().position(|call| call.index == *index) {
                     let call = self.pending_calls.remove(position);
                     self.tool_calls.push(finish_call(call, signature.clone()));
                 }
@@ -93,11 +84,7 @@ impl Collected {
     pub fn message(&self) -> Message {
         Message {
             role: Role::Assistant,
-            content: if self.text.is_empty() && !self.tool_calls.is_empty() {
-                None
-            } else {
-                Some(self.text.clone())
-            },
+            content: if self.text.is_empty() && !self.tool_calls.is_empty() { None } else { Some(self.text.clone()) },
             parts: self.parts.clone(),
             tool_calls: self.tool_calls.clone(),
             tool_call_id: None,
@@ -109,19 +96,13 @@ impl Collected {
     fn close_thinking(&mut self, signature: Option<arbor_core::message::ProviderOpaque>) {
         match self.thinking.take() {
             Some(text) => self.parts.push(Part::Thinking { text, signature }),
-            None if signature.is_some() => self.parts.push(Part::Thinking {
-                text: String::new(),
-                signature,
-            }),
+            None if signature.is_some() => self.parts.push(Part::Thinking { text: String::new(), signature }),
             None => {}
         }
     }
 }
 
-fn finish_call(
-    call: PendingCall,
-    signature: Option<arbor_core::message::ProviderOpaque>,
-) -> ToolCall {
+fn finish_call(call: PendingCall, signature: Option<arbor_core::message::ProviderOpaque>) -> ToolCall {
     // An empty argument string means "no arguments" (Anthropic sends "" for
     // parameterless tools); unparseable text is kept as a string so the
     // model's mistake can be shown to it rather than lost.
@@ -130,12 +111,7 @@ fn finish_call(
     } else {
         serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments))
     };
-    ToolCall {
-        id: call.id,
-        name: call.name,
-        arguments,
-        signature,
-    }
+    ToolCall { id: call.id, name: call.name, arguments, signature }
 }
 
 /// Reads a whole stream into a [`Collected`] reply.

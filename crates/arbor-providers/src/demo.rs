@@ -19,9 +19,7 @@ pub struct DemoProvider {
 
 impl Default for DemoProvider {
     fn default() -> DemoProvider {
-        DemoProvider {
-            chunk_delay: Duration::from_millis(30),
-        }
+        DemoProvider { chunk_delay: Duration::from_millis(30) }
     }
 }
 
@@ -34,11 +32,7 @@ pub fn demo_reply(messages: &[Message]) -> String {
         .and_then(|message| message.content.as_deref())
         .unwrap_or("");
     let shown: String = last_user.chars().take(200).collect();
-    let ellipsis = if shown.len() < last_user.len() {
-        "…"
-    } else {
-        ""
-    };
+    let ellipsis = if shown.len() < last_user.len() { "…" } else { "" };
     format!(
         "This is Arbor's built-in demo model, answering offline. You said: \"{shown}{ellipsis}\". \
          Configure a provider key (for example OPENAI_API_KEY) to talk to a real model."
@@ -72,38 +66,26 @@ impl Provider for DemoProvider {
 
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
         if request.messages.is_empty() {
-            return Err(ProviderError::new(
-                ErrorCode::InvalidRequest,
-                "the demo model needs at least one message",
-            ));
+            return Err(ProviderError::new(ErrorCode::InvalidRequest, "the demo model needs at least one message"));
         }
         let reply = demo_reply(&request.messages);
-        let system_tokens = request
-            .system
-            .as_deref()
-            .map_or(0, |system| estimate_messages(&[Message::system(system)]));
+        let system_tokens = request.system.as_deref().map_or(0, |system| estimate_messages(&[Message::system(system)]));
         let usage = Usage {
             input_tokens: estimate_messages(&request.messages) + system_tokens,
             output_tokens: arbor_core::tokens::estimate_from_chars(reply.len()),
             ..Usage::default()
         };
-        let mut chunks: Vec<Chunk> = words_in_chunks(&reply, 3)
-            .into_iter()
-            .map(Chunk::Text)
-            .collect();
+        let mut chunks: Vec<Chunk> = words_in_chunks(&reply, 3).into_iter().map(Chunk::Text).collect();
         chunks.push(Chunk::Finish(FinishReason::Stop));
         chunks.push(Chunk::Usage(usage));
         let delay = self.chunk_delay;
-        let paced = stream::unfold(
-            (chunks.into_iter(), true),
-            move |(mut rest, first)| async move {
-                let chunk = rest.next()?;
-                if !first && !delay.is_zero() {
-                    tokio::time::sleep(delay).await;
-                }
-                Some((Ok(chunk), (rest, false)))
-            },
-        );
+        let paced = stream::unfold((chunks.into_iter(), true), move |(mut rest, first)| async move {
+            let chunk = rest.next()?;
+            if !first && !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            Some((Ok(chunk), (rest, false)))
+        });
         Ok(Box::pin(paced))
     }
 }
@@ -115,20 +97,14 @@ mod tests {
 
     #[tokio::test]
     async fn demo_streams_a_labelled_deterministic_reply_with_usage() {
-        let provider = DemoProvider {
-            chunk_delay: Duration::ZERO,
-        };
+        let provider = DemoProvider { chunk_delay: Duration::ZERO };
         let request = ChatRequest {
             model: "demo".into(),
             messages: vec![Message::user("hello there")],
             ..ChatRequest::default()
         };
-        let first = collect_stream(provider.stream(request.clone()).await.expect("starts"))
-            .await
-            .expect("streams");
-        let second = collect_stream(provider.stream(request).await.expect("starts"))
-            .await
-            .expect("streams");
+        let first = collect_stream(provider.stream(request.clone()).await.expect("starts")).await.expect("streams");
+        let second = collect_stream(provider.stream(request).await.expect("starts")).await.expect("streams");
         assert_eq!(first, second, "deterministic");
         assert!(first.text.contains("demo model"));
         assert!(first.text.contains("hello there"));

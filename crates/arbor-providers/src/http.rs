@@ -28,10 +28,7 @@ pub struct HttpTimeouts {
 
 impl Default for HttpTimeouts {
     fn default() -> HttpTimeouts {
-        HttpTimeouts {
-            connect: Duration::from_secs(10),
-            read_idle: Duration::from_secs(300),
-        }
+        HttpTimeouts { connect: Duration::from_secs(10), read_idle: Duration::from_secs(300) }
     }
 }
 
@@ -61,12 +58,7 @@ pub fn build_client(timeouts: &HttpTimeouts) -> Result<reqwest::Client, Provider
         .tcp_keepalive(Duration::from_secs(30))
         .user_agent(concat!("arbor/", env!("CARGO_PKG_VERSION")))
         .build()
-        .map_err(|error| {
-            ProviderError::new(
-                ErrorCode::Internal,
-                format!("could not build the HTTP client: {error}"),
-            )
-        })
+        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not build the HTTP client: {error}")))
 }
 
 /// reqwest is built without a default rustls crypto provider and panics
@@ -88,12 +80,7 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 
 /// [`retry_after`] with an explicit clock, for HTTP dates.
 pub fn retry_after_at(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::trim)
-    };
+    let header = |name: &str| headers.get(name).and_then(|value| value.to_str().ok()).map(str::trim);
     if let Some(millis) = header("retry-after-ms").and_then(|text| text.parse::<f64>().ok())
         && let Ok(duration) = Duration::try_from_secs_f64(millis / 1000.0)
     {
@@ -173,19 +160,13 @@ impl ErrorResponse {
             }
         }
         bytes.truncate(Self::BODY_LIMIT);
-        ErrorResponse {
-            status,
-            headers,
-            body: String::from_utf8_lossy(&bytes).into_owned(),
-        }
+        ErrorResponse { status, headers, body: String::from_utf8_lossy(&bytes).into_owned() }
     }
 
     /// The generic error: code from the status, `retry_after` from the
     /// headers, and `message` (the provider's, when the adapter found one).
     pub fn to_error(&self, code: ErrorCode, message: impl Into<String>) -> ProviderError {
-        ProviderError::new(code, message)
-            .with_status(self.status)
-            .with_retry_after(retry_after(&self.headers))
+        ProviderError::new(code, message).with_status(self.status).with_retry_after(retry_after(&self.headers))
     }
 
     /// A message for a body the adapter could not read: the status and a
@@ -220,11 +201,7 @@ pub fn transport_error(error: &reqwest::Error) -> ProviderError {
 /// stays a timeout (the provider went silent), anything else means the
 /// stream broke off.
 pub fn body_error(error: &reqwest::Error) -> ProviderError {
-    let code = if error.is_timeout() {
-        ErrorCode::Timeout
-    } else {
-        ErrorCode::StreamInterrupted
-    };
+    let code = if error.is_timeout() { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
     ProviderError::new(code, describe(error))
 }
 
@@ -257,46 +234,25 @@ mod tests {
     #[test]
     fn retry_after_reads_milliseconds_seconds_and_dates() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_777);
-        assert_eq!(
-            retry_after_at(&headers(&[("retry-after", "7")]), now),
-            Some(Duration::from_secs(7))
-        );
-        assert_eq!(
-            retry_after_at(&headers(&[("retry-after", "1.5")]), now),
-            Some(Duration::from_millis(1500))
-        );
+        assert_eq!(retry_after_at(&headers(&[("retry-after", "7")]), now), Some(Duration::from_secs(7)));
+        assert_eq!(retry_after_at(&headers(&[("retry-after", "1.5")]), now), Some(Duration::from_millis(1500)));
         // The millisecond header is more precise and wins.
         assert_eq!(
-            retry_after_at(
-                &headers(&[("retry-after-ms", "250"), ("retry-after", "1")]),
-                now
-            ),
+            retry_after_at(&headers(&[("retry-after-ms", "250"), ("retry-after", "1")]), now),
             Some(Duration::from_millis(250))
         );
         // 784111777 is Sun, 06 Nov 1994 08:49:37 GMT.
         assert_eq!(
-            retry_after_at(
-                &headers(&[("retry-after", "Sun, 06 Nov 1994 08:50:07 GMT")]),
-                now
-            ),
+            retry_after_at(&headers(&[("retry-after", "Sun, 06 Nov 1994 08:50:07 GMT")]), now),
             Some(Duration::from_secs(30))
         );
         assert_eq!(
-            retry_after_at(
-                &headers(&[("retry-after", "Sun, 06 Nov 1994 08:00:00 GMT")]),
-                now
-            ),
+            retry_after_at(&headers(&[("retry-after", "Sun, 06 Nov 1994 08:00:00 GMT")]), now),
             Some(Duration::ZERO)
         );
         assert_eq!(retry_after_at(&headers(&[]), now), None);
-        assert_eq!(
-            retry_after_at(&headers(&[("retry-after", "soon")]), now),
-            None
-        );
-        assert_eq!(
-            retry_after_at(&headers(&[("retry-after", "-3")]), now),
-            None
-        );
+        assert_eq!(retry_after_at(&headers(&[("retry-after", "soon")]), now), None);
+        assert_eq!(retry_after_at(&headers(&[("retry-after", "-3")]), now), None);
     }
 
     #[test]
@@ -325,9 +281,7 @@ mod tests {
         assert!(mentions_context_length(
             "This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens."
         ));
-        assert!(mentions_context_length(
-            "prompt is too long: 210000 tokens > 200000 maximum"
-        ));
+        assert!(mentions_context_length("prompt is too long: 210000 tokens > 200000 maximum"));
         assert!(mentions_context_length(
             "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576)."
         ));
@@ -336,18 +290,11 @@ mod tests {
 
     #[test]
     fn error_response_keeps_status_and_retry_after() {
-        let response = ErrorResponse {
-            status: 429,
-            headers: headers(&[("retry-after", "7")]),
-            body: String::new(),
-        };
+        let response = ErrorResponse { status: 429, headers: headers(&[("retry-after", "7")]), body: String::new() };
         let error = response.to_error(ErrorCode::RateLimit, "slow down");
         assert_eq!(error.status, Some(429));
         assert_eq!(error.retry_after, Some(Duration::from_secs(7)));
-        assert_eq!(
-            response.fallback_message(),
-            "the provider answered HTTP 429"
-        );
+        assert_eq!(response.fallback_message(), "the provider answered HTTP 429");
     }
 
     #[test]
@@ -364,11 +311,7 @@ mod tests {
         let address = listener.local_addr().expect("address");
         drop(listener);
         let client = build_client(&HttpTimeouts::default()).expect("client");
-        let error = client
-            .get(format!("http://{address}/"))
-            .send()
-            .await
-            .expect_err("nothing listens");
+        let error = client.get(format!("http://{address}/")).send().await.expect_err("nothing listens");
         assert_eq!(transport_error(&error).code, ErrorCode::ProviderUnavailable);
     }
 }

@@ -78,11 +78,7 @@ impl Default for OpenAiConfig {
 
 impl fmt::Debug for OpenAiConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let header_names: Vec<&str> = self
-            .extra_headers
-            .iter()
-            .map(|(name, _)| name.as_str())
-            .collect();
+        let header_names: Vec<&str> = self.extra_headers.iter().map(|(name, _)| name.as_str()).collect();
         f.debug_struct("OpenAiConfig")
             .field("base_url", &self.base_url)
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
@@ -173,46 +169,24 @@ impl OpenAiProvider {
         };
         WireRequest {
             model: &request.model,
-            messages: wire_messages(
-                request.system.as_deref(),
-                &request.messages,
-                self.send_signatures,
-            ),
+            messages: wire_messages(request.system.as_deref(), &request.messages, self.send_signatures),
             tools: request.tools.iter().map(wire_tool).collect(),
             max_completion_tokens,
             max_tokens,
             // Through the shortest decimal text, so 0.1f32 is sent as 0.1
             // and not as 0.10000000149011612 (and NaN is not sent at all).
-            temperature: request
-                .temperature
-                .and_then(|value| value.to_string().parse::<serde_json::Number>().ok()),
-            reasoning_effort: request
-                .reasoning
-                .as_ref()
-                .and_then(|reasoning| reasoning.effort.as_deref()),
+            temperature: request.temperature.and_then(|value| value.to_string().parse::<serde_json::Number>().ok()),
+            reasoning_effort: request.reasoning.as_ref().and_then(|reasoning| reasoning.effort.as_deref()),
             stream,
-            stream_options: (stream && self.stream_usage).then_some(StreamOptions {
-                include_usage: true,
-            }),
+            stream_options: (stream && self.stream_usage).then_some(StreamOptions { include_usage: true }),
         }
     }
 
-    async fn post(
-        &self,
-        request: &ChatRequest,
-        stream: bool,
-    ) -> Result<reqwest::Response, ProviderError> {
+    async fn post(&self, request: &ChatRequest, stream: bool) -> Result<reqwest::Response, ProviderError> {
         let body = serde_json::to_vec(&self.wire_request(request, stream)).map_err(|error| {
-            ProviderError::new(
-                ErrorCode::Internal,
-                format!("could not encode the request: {error}"),
-            )
+            ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}"))
         })?;
-        let accept = if stream {
-            "text/event-stream"
-        } else {
-            "application/json"
-        };
+        let accept = if stream { "text/event-stream" } else { "application/json" };
         let mut builder = self
             .client
             .post(&self.url)
@@ -223,10 +197,7 @@ impl OpenAiProvider {
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key);
         }
-        let response = builder
-            .send()
-            .await
-            .map_err(|error| http::transport_error(&error))?;
+        let response = builder.send().await.map_err(|error| http::transport_error(&error))?;
         if response.status().is_success() {
             Ok(response)
         } else {
@@ -251,10 +222,7 @@ impl Provider for OpenAiProvider {
         if is_json {
             // A server that ignores `stream: true` answers with one
             // completion; replay it as a stream rather than fail.
-            let body = response
-                .bytes()
-                .await
-                .map_err(|error| http::body_error(&error))?;
+            let body = response.bytes().await.map_err(|error| http::body_error(&error))?;
             let chunks = response_chunks(&body)?;
             return Ok(Box::pin(stream::iter(chunks.into_iter().map(Ok))));
         }
@@ -263,10 +231,7 @@ impl Provider for OpenAiProvider {
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
         let response = self.post(&request, false).await?;
-        let body = response
-            .bytes()
-            .await
-            .map_err(|error| http::body_error(&error))?;
+        let body = response.bytes().await.map_err(|error| http::body_error(&error))?;
         parse_response(&body)
     }
 }
@@ -369,19 +334,11 @@ fn wire_tool(tool: &ToolSpec) -> WireTool<'_> {
     };
     WireTool {
         kind: "function",
-        function: WireFunction {
-            name: &tool.name,
-            description: &tool.description,
-            parameters,
-        },
+        function: WireFunction { name: &tool.name, description: &tool.description, parameters },
     }
 }
 
-fn wire_messages<'a>(
-    system: Option<&'a str>,
-    messages: &'a [Message],
-    send_signatures: bool,
-) -> Vec<WireMessage<'a>> {
+fn wire_messages<'a>(system: Option<&'a str>, messages: &'a [Message], send_signatures: bool) -> Vec<WireMessage<'a>> {
     let mut wire = Vec::with_capacity(messages.len() + 1);
     if let Some(system) = system.filter(|text| !text.is_empty()) {
         wire.push(WireMessage {
@@ -435,12 +392,7 @@ fn wire_messages<'a>(
 }
 
 fn user_images(images: Vec<WirePart<'_>>) -> WireMessage<'_> {
-    WireMessage {
-        role: "user",
-        content: Some(WireContent::Parts(images)),
-        tool_calls: Vec::new(),
-        tool_call_id: None,
-    }
+    WireMessage { role: "user", content: Some(WireContent::Parts(images)), tool_calls: Vec::new(), tool_call_id: None }
 }
 
 /// Plain text stays a string (what every compatible server understands);
@@ -463,20 +415,12 @@ fn user_content(message: &Message) -> WireContent<'_> {
 /// known: local servers such as Ollama accept only `data:` URLs, and the
 /// provider need not be able to reach our storage.
 fn image_part(part: &Part) -> Option<WirePart<'_>> {
-    let Part::Image {
-        url,
-        data,
-        mime_type,
-        ..
-    } = part
-    else {
+    let Part::Image { url, data, mime_type, .. } = part else {
         return None;
     };
     let url = match (data, url) {
         (Some(data), _) => {
-            let mime = mime_type
-                .as_deref()
-                .unwrap_or_else(|| sniff_image_type(data));
+            let mime = mime_type.as_deref().unwrap_or_else(|| sniff_image_type(data));
             format!("data:{mime};base64,{data}")
         }
         (None, Some(url)) => url.clone(),
@@ -485,9 +429,7 @@ fn image_part(part: &Part) -> Option<WirePart<'_>> {
             return None;
         }
     };
-    Some(WirePart::ImageUrl {
-        image_url: WireImageUrl { url },
-    })
+    Some(WirePart::ImageUrl { image_url: WireImageUrl { url } })
 }
 
 /// The media type of base64 image bytes, from their first bytes' encoding.
@@ -506,23 +448,15 @@ fn sniff_image_type(base64: &str) -> &'static str {
 fn assistant_message(message: &Message, send_signatures: bool) -> WireMessage<'_> {
     // Thinking parts stay home: OpenAI does not take reasoning back, and
     // DeepSeek refuses a request that contains its `reasoning_content`.
-    let tool_calls: Vec<WireToolCall<'_>> = message
-        .tool_calls
-        .iter()
-        .map(|call| wire_tool_call(call, send_signatures))
-        .collect();
+    let tool_calls: Vec<WireToolCall<'_>> =
+        message.tool_calls.iter().map(|call| wire_tool_call(call, send_signatures)).collect();
     let text = message.content.as_deref().filter(|text| !text.is_empty());
     let content = match text {
         Some(text) => Some(WireContent::Text(text)),
         None if tool_calls.is_empty() => Some(WireContent::Text("")),
         None => None,
     };
-    WireMessage {
-        role: "assistant",
-        content,
-        tool_calls,
-        tool_call_id: None,
-    }
+    WireMessage { role: "assistant", content, tool_calls, tool_call_id: None }
 }
 
 fn wire_tool_call(call: &ToolCall, send_signatures: bool) -> WireToolCall<'_> {
@@ -540,10 +474,7 @@ fn wire_tool_call(call: &ToolCall, send_signatures: bool) -> WireToolCall<'_> {
     WireToolCall {
         id: &call.id,
         kind: "function",
-        function: WireFunctionCall {
-            name: &call.name,
-            arguments,
-        },
+        function: WireFunctionCall { name: &call.name, arguments },
         extra_content,
     }
 }
@@ -631,10 +562,8 @@ impl WireUsage {
     fn to_usage(self) -> Usage {
         let input_tokens = self.prompt_tokens.unwrap_or(0);
         let mut output_tokens = self.completion_tokens.unwrap_or(0);
-        let mut thinking_tokens = self
-            .completion_tokens_details
-            .and_then(|details| details.reasoning_tokens)
-            .unwrap_or(0);
+        let mut thinking_tokens =
+            self.completion_tokens_details.and_then(|details| details.reasoning_tokens).unwrap_or(0);
         // OpenAI counts reasoning inside completion_tokens; xAI and Gemini's
         // endpoint leave it out and only the total shows it. Tokens the total
         // counts beyond input and completion are hidden reasoning: they are
@@ -685,9 +614,7 @@ fn text_of(value: Option<&Value>, kind: &str, out: &mut String) {
 }
 
 fn string_of(value: Option<&Value>) -> Option<&str> {
-    value
-        .and_then(Value::as_str)
-        .filter(|text| !text.is_empty())
+    value.and_then(Value::as_str).filter(|text| !text.is_empty())
 }
 
 fn finish_reason(text: &str) -> FinishReason {
@@ -741,18 +668,8 @@ impl ToolCalls {
                 let index = self.calls.len();
                 let provider_id = id.is_some();
                 let id = id.unwrap_or_else(|| self.assign_id(index));
-                out(Chunk::ToolCallStart {
-                    index,
-                    id: id.clone(),
-                    name: name.unwrap_or_default(),
-                });
-                self.calls.push(OpenCall {
-                    wire_index: fragment.index,
-                    id,
-                    provider_id,
-                    signature: None,
-                    open: true,
-                });
+                out(Chunk::ToolCallStart { index, id: id.clone(), name: name.unwrap_or_default() });
+                self.calls.push(OpenCall { wire_index: fragment.index, id, provider_id, signature: None, open: true });
                 index
             }
         };
@@ -783,10 +700,9 @@ impl ToolCalls {
                 // A different id at the same index is another call (some
                 // servers number every call 0).
                 .filter(|position| same_id(&self.calls[*position])),
-            None if id.is_some() || named => self
-                .calls
-                .iter()
-                .rposition(|call| call.open && call.provider_id && Some(call.id.as_str()) == id),
+            None if id.is_some() || named => {
+                self.calls.iter().rposition(|call| call.open && call.provider_id && Some(call.id.as_str()) == id)
+            }
             None => self.calls.iter().rposition(|call| call.open),
         }
     }
@@ -823,10 +739,7 @@ impl ToolCalls {
                 call.open = false;
                 out(Chunk::ToolCallEnd {
                     index,
-                    signature: call.signature.take().map(|data| ProviderOpaque {
-                        provider: KIND.to_string(),
-                        data,
-                    }),
+                    signature: call.signature.take().map(|data| ProviderOpaque { provider: KIND.to_string(), data }),
                 });
             }
         }
@@ -845,9 +758,7 @@ fn normalised_finish(text: &str, calls: &ToolCalls) -> FinishReason {
 /// Applies a delta's text, reasoning and tool calls.
 fn apply_delta(delta: WireDelta, calls: &mut ToolCalls, out: &mut impl FnMut(Chunk)) {
     let mut thinking = String::new();
-    if let Some(text) =
-        string_of(delta.reasoning_content.as_ref()).or_else(|| string_of(delta.reasoning.as_ref()))
-    {
+    if let Some(text) = string_of(delta.reasoning_content.as_ref()).or_else(|| string_of(delta.reasoning.as_ref())) {
         thinking.push_str(text);
     }
     text_of(delta.content.as_ref(), "thinking", &mut thinking);
@@ -927,11 +838,7 @@ struct StreamDecoder {
 
 impl StreamDecoder {
     /// Applies one event; returns whether the stream is over.
-    fn on_event(
-        &mut self,
-        event: &SseEvent,
-        out: &mut VecDeque<Result<Chunk, ProviderError>>,
-    ) -> bool {
+    fn on_event(&mut self, event: &SseEvent, out: &mut VecDeque<Result<Chunk, ProviderError>>) -> bool {
         let data = event.data.trim();
         if event.event == "error" {
             out.push_back(Err(stream_error(data)));
@@ -1017,15 +924,8 @@ fn response_chunks(body: &[u8]) -> Result<Vec<Chunk>, ProviderError> {
     if let Some(error) = response.error {
         return Err(error_from_body(None, &error));
     }
-    let Some(choice) = response
-        .choices
-        .into_iter()
-        .find(|choice| choice.index.unwrap_or(0) == 0)
-    else {
-        return Err(ProviderError::new(
-            ErrorCode::ProviderUnavailable,
-            "the provider's reply has no choices",
-        ));
+    let Some(choice) = response.choices.into_iter().find(|choice| choice.index.unwrap_or(0) == 0) else {
+        return Err(ProviderError::new(ErrorCode::ProviderUnavailable, "the provider's reply has no choices"));
     };
     let mut chunks = Vec::new();
     let mut calls = ToolCalls::default();
@@ -1053,15 +953,10 @@ pub fn error_from_response(response: &ErrorResponse) -> ProviderError {
         Some(body) => {
             let detail = ErrorDetail::from_body(&body);
             let code = detail.code(Some(response.status));
-            let message = detail
-                .message
-                .unwrap_or_else(|| response.fallback_message());
+            let message = detail.message.unwrap_or_else(|| response.fallback_message());
             (code, message)
         }
-        None => (
-            refine_by_message(http::status_code(response.status), &response.body),
-            response.fallback_message(),
-        ),
+        None => (refine_by_message(http::status_code(response.status), &response.body), response.fallback_message()),
     };
     response.to_error(code, message)
 }
@@ -1086,10 +981,7 @@ fn stream_error(data: &str) -> ProviderError {
 fn error_from_body(status: Option<u16>, body: &Value) -> ProviderError {
     let detail = ErrorDetail::from_body(body);
     let code = detail.code(status);
-    let message = detail
-        .message
-        .clone()
-        .unwrap_or_else(|| "the provider reported an error in its reply".to_string());
+    let message = detail.message.clone().unwrap_or_else(|| "the provider reported an error in its reply".to_string());
     let error = ProviderError::new(code, message);
     match detail.status {
         Some(status) => error.with_status(status),
@@ -1114,25 +1006,15 @@ impl ErrorDetail {
     fn from_body(body: &Value) -> ErrorDetail {
         let object = match body.get("error") {
             Some(Value::String(text)) => {
-                return ErrorDetail {
-                    message: Some(text.clone()),
-                    ..ErrorDetail::default()
-                };
+                return ErrorDetail { message: Some(text.clone()), ..ErrorDetail::default() };
             }
             Some(inner @ Value::Object(_)) => inner,
             _ => body,
         };
         let field = |name: &str| object.get(name);
-        let mut message = field("message")
-            .and_then(Value::as_str)
-            .filter(|text| !text.is_empty())
-            .map(str::to_string);
+        let mut message = field("message").and_then(Value::as_str).filter(|text| !text.is_empty()).map(str::to_string);
         // OpenRouter hides the upstream's words under metadata.raw.
-        if let Some(raw) = object
-            .pointer("/metadata/raw")
-            .and_then(Value::as_str)
-            .filter(|raw| !raw.is_empty())
-        {
+        if let Some(raw) = object.pointer("/metadata/raw").and_then(Value::as_str).filter(|raw| !raw.is_empty()) {
             message = Some(match message {
                 Some(text) => format!("{text}: {raw}"),
                 None => raw.to_string(),
@@ -1146,14 +1028,8 @@ impl ErrorDetail {
         };
         ErrorDetail {
             message,
-            kind: field("type")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_ascii_lowercase(),
-            code: field("code")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_ascii_lowercase(),
+            kind: field("type").and_then(Value::as_str).unwrap_or_default().to_ascii_lowercase(),
+            code: field("code").and_then(Value::as_str).unwrap_or_default().to_ascii_lowercase(),
             status: status_from(field("status_code")).or(status_from(field("code"))),
         }
     }
@@ -1198,8 +1074,7 @@ impl ErrorDetail {
 
 /// A 503 that says "overloaded" is the provider asking for a pause.
 fn refine_by_message(code: ErrorCode, message: &str) -> ErrorCode {
-    if code == ErrorCode::ProviderUnavailable && message.to_ascii_lowercase().contains("overloaded")
-    {
+    if code == ErrorCode::ProviderUnavailable && message.to_ascii_lowercase().contains("overloaded") {
         ErrorCode::Overloaded
     } else if http::mentions_context_length(message) {
         ErrorCode::ContextLengthExceeded
@@ -1215,11 +1090,8 @@ mod tests {
     use serde_json::json;
 
     fn provider(base_url: &str) -> OpenAiProvider {
-        OpenAiProvider::new(OpenAiConfig {
-            base_url: base_url.into(),
-            ..OpenAiConfig::default()
-        })
-        .expect("valid config")
+        OpenAiProvider::new(OpenAiConfig { base_url: base_url.into(), ..OpenAiConfig::default() })
+            .expect("valid config")
     }
 
     fn chunks_of(body: &str) -> Vec<Result<Chunk, ProviderError>> {
@@ -1243,11 +1115,8 @@ mod tests {
         let shown = format!("{provider:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(
-            OpenAiProvider::new(OpenAiConfig {
-                base_url: "localhost:11434".into(),
-                ..OpenAiConfig::default()
-            })
-            .is_err()
+            OpenAiProvider::new(OpenAiConfig { base_url: "localhost:11434".into(), ..OpenAiConfig::default() })
+                .is_err()
         );
     }
 
@@ -1257,10 +1126,7 @@ mod tests {
             id: "c1".into(),
             name: "add".into(),
             arguments: json!({"a": 1}),
-            signature: Some(ProviderOpaque {
-                provider: "anthropic".into(),
-                data: "x".into(),
-            }),
+            signature: Some(ProviderOpaque { provider: "anthropic".into(), data: "x".into() }),
         };
         let request = ChatRequest {
             model: "m".into(),
@@ -1268,10 +1134,7 @@ mod tests {
             messages: vec![
                 Message::user("add"),
                 Message {
-                    parts: vec![Part::Thinking {
-                        text: "hmm".into(),
-                        signature: None,
-                    }],
+                    parts: vec![Part::Thinking { text: "hmm".into(), signature: None }],
                     tool_calls: vec![call.clone()],
                     content: None,
                     ..Message::assistant("")
@@ -1280,10 +1143,7 @@ mod tests {
             ],
             max_output_tokens: Some(10),
             temperature: Some(0.1),
-            reasoning: Some(Reasoning {
-                effort: Some("low".into()),
-                budget_tokens: None,
-            }),
+            reasoning: Some(Reasoning { effort: Some("low".into()), budget_tokens: None }),
             ..ChatRequest::default()
         };
         let body = provider("http://x/v1").request_body(&request, true);
@@ -1310,12 +1170,7 @@ mod tests {
 
     #[test]
     fn images_become_data_urls_and_tool_images_follow_the_results() {
-        let call = ToolCall {
-            id: "c1".into(),
-            name: "shot".into(),
-            arguments: json!({}),
-            signature: None,
-        };
+        let call = ToolCall { id: "c1".into(), name: "shot".into(), arguments: json!({}), signature: None };
         let mut result = Message::tool_result(&call, arbor_core::ToolStatus::Success, "see image");
         result.parts.push(Part::Image {
             media_id: None,
@@ -1332,15 +1187,7 @@ mod tests {
         });
         let request = ChatRequest {
             model: "m".into(),
-            messages: vec![
-                user,
-                Message {
-                    tool_calls: vec![call],
-                    content: None,
-                    ..Message::assistant("")
-                },
-                result,
-            ],
+            messages: vec![user, Message { tool_calls: vec![call], content: None, ..Message::assistant("") }, result],
             ..ChatRequest::default()
         };
         let body = provider("http://x/v1").request_body(&request, false);
@@ -1369,32 +1216,20 @@ mod tests {
             id: "c1".into(),
             name: "t".into(),
             arguments: json!({}),
-            signature: Some(ProviderOpaque {
-                provider: KIND.into(),
-                data: "sig".into(),
-            }),
+            signature: Some(ProviderOpaque { provider: KIND.into(), data: "sig".into() }),
         };
         let request = ChatRequest {
             model: "m".into(),
-            messages: vec![Message {
-                tool_calls: vec![call],
-                content: None,
-                ..Message::assistant("")
-            }],
+            messages: vec![Message { tool_calls: vec![call], content: None, ..Message::assistant("") }],
             ..ChatRequest::default()
         };
-        let google = provider("https://generativelanguage.googleapis.com/v1beta/openai")
-            .request_body(&request, false);
+        let google = provider("https://generativelanguage.googleapis.com/v1beta/openai").request_body(&request, false);
         assert_eq!(
             google["messages"][0]["tool_calls"][0]["extra_content"],
             json!({"google": {"thought_signature": "sig"}})
         );
         let openai = provider(OpenAiConfig::DEFAULT_BASE_URL).request_body(&request, false);
-        assert!(
-            openai["messages"][0]["tool_calls"][0]
-                .get("extra_content")
-                .is_none()
-        );
+        assert!(openai["messages"][0]["tool_calls"][0].get("extra_content").is_none());
     }
 
     #[test]
@@ -1405,11 +1240,7 @@ mod tests {
         })
         .expect("valid");
         let body = provider.request_body(
-            &ChatRequest {
-                model: "m".into(),
-                max_output_tokens: Some(5),
-                ..ChatRequest::default()
-            },
+            &ChatRequest { model: "m".into(), max_output_tokens: Some(5), ..ChatRequest::default() },
             false,
         );
         assert_eq!(body["max_tokens"], 5);
@@ -1424,39 +1255,16 @@ mod tests {
             "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
             "data: [DONE]\n\n",
         );
-        let chunks: Vec<Chunk> = chunks_of(body)
-            .into_iter()
-            .map(|item| item.expect("ok"))
-            .collect();
+        let chunks: Vec<Chunk> = chunks_of(body).into_iter().map(|item| item.expect("ok")).collect();
         assert_eq!(
             chunks,
             vec![
-                Chunk::ToolCallStart {
-                    index: 0,
-                    id: "a".into(),
-                    name: "f".into()
-                },
-                Chunk::ToolCallArguments {
-                    index: 0,
-                    fragment: "{}".into()
-                },
-                Chunk::ToolCallStart {
-                    index: 1,
-                    id: "b".into(),
-                    name: "g".into()
-                },
-                Chunk::ToolCallArguments {
-                    index: 1,
-                    fragment: "{\"x\":1}".into()
-                },
-                Chunk::ToolCallEnd {
-                    index: 0,
-                    signature: None
-                },
-                Chunk::ToolCallEnd {
-                    index: 1,
-                    signature: None
-                },
+                Chunk::ToolCallStart { index: 0, id: "a".into(), name: "f".into() },
+                Chunk::ToolCallArguments { index: 0, fragment: "{}".into() },
+                Chunk::ToolCallStart { index: 1, id: "b".into(), name: "g".into() },
+                Chunk::ToolCallArguments { index: 1, fragment: "{\"x\":1}".into() },
+                Chunk::ToolCallEnd { index: 0, signature: None },
+                Chunk::ToolCallEnd { index: 1, signature: None },
                 Chunk::Finish(FinishReason::ToolCalls),
             ]
         );
@@ -1468,10 +1276,7 @@ mod tests {
         let items = chunks_of(body);
         assert_eq!(items[0], Ok(Chunk::Text("Hel".into())));
         assert_eq!(
-            items
-                .last()
-                .and_then(|item| item.as_ref().err())
-                .map(|e| e.code),
+            items.last().and_then(|item| item.as_ref().err()).map(|e| e.code),
             Some(ErrorCode::StreamInterrupted)
         );
     }
@@ -1491,23 +1296,14 @@ mod tests {
         .expect("usage");
         assert_eq!(
             usage.to_usage(),
-            Usage {
-                input_tokens: 35,
-                output_tokens: 74,
-                thinking_tokens: 62,
-                ..Usage::default()
-            }
+            Usage { input_tokens: 35, output_tokens: 74, thinking_tokens: 62, ..Usage::default() }
         );
     }
 
     #[test]
     fn error_shapes_of_compatible_servers() {
         let cases = [
-            (
-                json!({"error": "model 'x' not found"}),
-                404,
-                ErrorCode::NotFound,
-            ),
+            (json!({"error": "model 'x' not found"}), 404, ErrorCode::NotFound),
             (
                 json!({"object": "error", "message": "This model's maximum context length is 4096 tokens", "type": "BadRequestError", "code": 400}),
                 400,
@@ -1530,18 +1326,10 @@ mod tests {
             ),
         ];
         for (body, status, code) in cases {
-            let response = ErrorResponse {
-                status,
-                headers: HeaderMap::new(),
-                body: body.to_string(),
-            };
+            let response = ErrorResponse { status, headers: HeaderMap::new(), body: body.to_string() };
             assert_eq!(error_from_response(&response).code, code, "{body}");
         }
-        let html = ErrorResponse {
-            status: 502,
-            headers: HeaderMap::new(),
-            body: "<html>Bad Gateway</html>".into(),
-        };
+        let html = ErrorResponse { status: 502, headers: HeaderMap::new(), body: "<html>Bad Gateway</html>".into() };
         let error = error_from_response(&html);
         assert_eq!(error.code, ErrorCode::ProviderUnavailable);
         assert!(error.message.contains("502"), "{}", error.message);

@@ -82,16 +82,13 @@ impl Registry {
     /// The registry shipped with the binary.
     pub fn shipped() -> Registry {
         let mut registry = Registry::default();
-        registry
-            .apply_toml(SHIPPED)
-            .expect("the shipped models.toml is valid; a unit test checks it");
+        registry.apply_toml(SHIPPED).expect("the shipped models.toml is valid; a unit test checks it");
         registry
     }
 
     /// Applies a `[models."id"]` TOML document on top of this registry.
     pub fn apply_toml(&mut self, text: &str) -> Result<(), RegistryError> {
-        let file: RegistryFile =
-            toml::from_str(text).map_err(|error| RegistryError::Parse(error.to_string()))?;
+        let file: RegistryFile = toml::from_str(text).map_err(|error| RegistryError::Parse(error.to_string()))?;
         self.apply(file.models)
     }
 
@@ -101,20 +98,15 @@ impl Registry {
             let model = match self.models.remove(&id) {
                 Some(known) => merge(known, entry),
                 None => {
-                    let provider = entry
-                        .provider
-                        .clone()
-                        .ok_or(RegistryError::MissingProvider { model: id.clone() })?;
+                    let provider =
+                        entry.provider.clone().ok_or(RegistryError::MissingProvider { model: id.clone() })?;
                     let base = ModelInfo {
                         id: id.clone(),
                         provider,
                         upstream: None,
                         context_window: 8192,
                         max_output: 4096,
-                        capabilities: Capabilities {
-                            streaming: true,
-                            ..Capabilities::default()
-                        },
+                        capabilities: Capabilities { streaming: true, ..Capabilities::default() },
                         prices: Prices::default(),
                     };
                     merge(base, entry)
@@ -194,28 +186,15 @@ mod tests {
         assert_eq!(gpt.prices.input, 2_500_000, "untouched fields stay");
         let llama = registry.get("llama3.2").expect("added");
         assert_eq!(llama.provider, "local");
-        assert_eq!(
-            llama.prices,
-            Prices::default(),
-            "a local model is free unless priced"
-        );
+        assert_eq!(llama.prices, Prices::default(), "a local model is free unless priced");
     }
 
     #[test]
     fn a_new_model_without_provider_is_refused() {
         let mut registry = Registry::shipped();
-        let error = registry
-            .apply_toml("[models.mystery]\ncontext_window = 1\n")
-            .expect_err("no provider");
-        assert_eq!(
-            error,
-            RegistryError::MissingProvider {
-                model: "mystery".into()
-            }
-        );
-        let error = registry
-            .apply_toml("[models.x]\nprovider = \"a\"\ncolour = 1\n")
-            .expect_err("unknown key");
+        let error = registry.apply_toml("[models.mystery]\ncontext_window = 1\n").expect_err("no provider");
+        assert_eq!(error, RegistryError::MissingProvider { model: "mystery".into() });
+        let error = registry.apply_toml("[models.x]\nprovider = \"a\"\ncolour = 1\n").expect_err("unknown key");
         assert!(matches!(error, RegistryError::Parse(text) if text.contains("colour")));
     }
 }

@@ -35,11 +35,8 @@ impl BodyError for reqwest::Error {
 
 impl BodyError for std::io::Error {
     fn into_provider_error(self) -> ProviderError {
-        let code = if self.kind() == std::io::ErrorKind::TimedOut {
-            ErrorCode::Timeout
-        } else {
-            ErrorCode::StreamInterrupted
-        };
+        let code =
+            if self.kind() == std::io::ErrorKind::TimedOut { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
         ProviderError::new(code, format!("the provider's stream broke off: {self}"))
     }
 }
@@ -73,10 +70,7 @@ where
     body.chain(closing)
         .eventsource()
         .map(|item| match item {
-            Ok(event) => Ok(SseEvent {
-                event: event.event,
-                data: event.data,
-            }),
+            Ok(event) => Ok(SseEvent { event: event.event, data: event.data }),
             Err(EventStreamError::Transport(error)) => Err(error.into_provider_error()),
             Err(EventStreamError::Utf8(error)) => Err(ProviderError::new(
                 ErrorCode::StreamInterrupted,
@@ -98,10 +92,7 @@ where
 
 /// `bytes` as a body stream, cut at each offset in `cuts` (offsets out of
 /// range or out of order are clamped, so any list of numbers is a valid cut).
-pub fn byte_chunks(
-    bytes: &[u8],
-    cuts: &[usize],
-) -> impl Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
+pub fn byte_chunks(bytes: &[u8], cuts: &[usize]) -> impl Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
     let mut pieces = Vec::with_capacity(cuts.len() + 1);
     let mut start = 0;
     let mut sorted: Vec<usize> = cuts.iter().map(|cut| (*cut).min(bytes.len())).collect();
@@ -128,26 +119,16 @@ mod tests {
     use super::*;
 
     fn event(name: &str, data: &str) -> SseEvent {
-        SseEvent {
-            event: name.into(),
-            data: data.into(),
-        }
+        SseEvent { event: name.into(), data: data.into() }
     }
 
     #[test]
     fn decodes_named_and_unnamed_events_with_multiline_data() {
         let body = b": comment\ndata: {\"a\":1}\n\nevent: error\ndata: line one\ndata: line two\n\ndata: [DONE]\n\n";
-        let events: Vec<_> = decode_chunked(body, &[])
-            .into_iter()
-            .map(|item| item.expect("valid"))
-            .collect();
+        let events: Vec<_> = decode_chunked(body, &[]).into_iter().map(|item| item.expect("valid")).collect();
         assert_eq!(
             events,
-            vec![
-                event("message", "{\"a\":1}"),
-                event("error", "line one\nline two"),
-                event("message", "[DONE]"),
-            ]
+            vec![event("message", "{\"a\":1}"), event("error", "line one\nline two"), event("message", "[DONE]"),]
         );
     }
 
@@ -167,10 +148,7 @@ mod tests {
     #[test]
     fn last_event_without_blank_line_is_delivered() {
         let events = decode_chunked(b"data: 1\n\ndata: [DONE]\n", &[]);
-        assert_eq!(
-            events,
-            vec![Ok(event("message", "1")), Ok(event("message", "[DONE]"))]
-        );
+        assert_eq!(events, vec![Ok(event("message", "1")), Ok(event("message", "[DONE]"))]);
     }
 
     #[test]
@@ -180,26 +158,17 @@ mod tests {
             Err(ProviderError::new(ErrorCode::Timeout, "idle")),
             Ok(Bytes::from_static(b"data: 2\n\n")),
         ]);
-        let items = sse_events(body)
-            .collect::<Vec<_>>()
-            .now_or_never()
-            .expect("ready");
+        let items = sse_events(body).collect::<Vec<_>>().now_or_never().expect("ready");
         assert_eq!(items.len(), 2);
         assert_eq!(items[0], Ok(event("message", "1")));
-        assert_eq!(
-            items[1].as_ref().map_err(|e| e.code),
-            Err(ErrorCode::Timeout)
-        );
+        assert_eq!(items[1].as_ref().map_err(|e| e.code), Err(ErrorCode::Timeout));
     }
 
     #[test]
     fn invalid_utf8_is_a_stream_interruption() {
         let items = decode_chunked(b"data: \xff\xfe\n\n", &[]);
         let last = items.last().expect("an item");
-        assert_eq!(
-            last.as_ref().map_err(|e| e.code),
-            Err(ErrorCode::StreamInterrupted)
-        );
+        assert_eq!(last.as_ref().map_err(|e| e.code), Err(ErrorCode::StreamInterrupted));
     }
 
     #[test]
@@ -207,9 +176,6 @@ mod tests {
         let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "slow");
         assert_eq!(timed_out.into_provider_error().code, ErrorCode::Timeout);
         let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
-        assert_eq!(
-            reset.into_provider_error().code,
-            ErrorCode::StreamInterrupted
-        );
+        assert_eq!(reset.into_provider_error().code, ErrorCode::StreamInterrupted);
     }
 }

@@ -12,8 +12,7 @@ use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, ToolCall, ToolStatus, Usage};
 use arbor_providers::http::ErrorResponse;
 use arbor_providers::openai::{
-    MaxTokensField, OpenAiConfig, OpenAiProvider, decode_stream, error_from_response,
-    parse_response,
+    MaxTokensField, OpenAiConfig, OpenAiProvider, decode_stream, error_from_response, parse_response,
 };
 use arbor_providers::sse::byte_chunks;
 use arbor_providers::{ChatRequest, Chunk, Collected, FinishReason, Reasoning, ToolSpec};
@@ -22,10 +21,7 @@ use proptest::prelude::*;
 use reqwest::header::{HeaderMap, HeaderValue};
 use serde_json::{Value, json};
 
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/providers"
-);
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers");
 
 fn read(path: &str) -> Vec<u8> {
     let full = format!("{FIXTURES}/{path}");
@@ -54,10 +50,7 @@ fn stream_body(case: &str) -> Vec<u8> {
 }
 
 fn decode(body: &[u8], cuts: &[usize]) -> Vec<Result<Chunk, ProviderError>> {
-    decode_stream(byte_chunks(body, cuts))
-        .collect::<Vec<_>>()
-        .now_or_never()
-        .expect("an in-memory body never waits")
+    decode_stream(byte_chunks(body, cuts)).collect::<Vec<_>>().now_or_never().expect("an in-memory body never waits")
 }
 
 /// Folds chunks as the engine does; the first error ends the reply.
@@ -74,8 +67,7 @@ fn streamed(case: &str) -> Collected {
 }
 
 fn completed(case: &str) -> Collected {
-    parse_response(&read(&format!("{case}.response.json")))
-        .unwrap_or_else(|error| panic!("{case}: {error}"))
+    parse_response(&read(&format!("{case}.response.json"))).unwrap_or_else(|error| panic!("{case}: {error}"))
 }
 
 fn usage(input: u64, output: u64, thinking: u64, cached: u64) -> Usage {
@@ -89,12 +81,7 @@ fn usage(input: u64, output: u64, thinking: u64, cached: u64) -> Usage {
 }
 
 fn call(id: &str, name: &str, arguments: Value) -> ToolCall {
-    ToolCall {
-        id: id.into(),
-        name: name.into(),
-        arguments,
-        signature: None,
-    }
+    ToolCall { id: id.into(), name: name.into(), arguments, signature: None }
 }
 
 fn thinking_text(collected: &Collected) -> String {
@@ -137,16 +124,8 @@ fn openai_text_stream_with_usage() {
 #[test]
 fn openai_stream_with_cached_prompt_stopped_by_length() {
     let reply = streamed("openai/stream-text-cached-tokens-length");
-    assert!(
-        reply
-            .text
-            .starts_with("Structuring a database schema effectively is crucial")
-    );
-    assert!(
-        reply
-            .text
-            .ends_with("in an e-commerce application, entities might")
-    );
+    assert!(reply.text.starts_with("Structuring a database schema effectively is crucial"));
+    assert!(reply.text.ends_with("in an e-commerce application, entities might"));
     assert_eq!(reply.text.chars().count(), 529);
     assert_eq!(reply.finish, Some(FinishReason::Length));
     assert_eq!(reply.usage, Some(usage(1420, 100, 0, 1280)));
@@ -171,11 +150,7 @@ fn openai_single_tool_call_stream() {
     // closed before the finish reason.
     assert_eq!(
         chunks[0],
-        Chunk::ToolCallStart {
-            index: 0,
-            id: "call_ZR5UUuTt3pf61kjwAJIYdVMj".into(),
-            name: "get_capital".into()
-        }
+        Chunk::ToolCallStart { index: 0, id: "call_ZR5UUuTt3pf61kjwAJIYdVMj".into(), name: "get_capital".into() }
     );
     let fragments: String = chunks
         .iter()
@@ -185,24 +160,11 @@ fn openai_single_tool_call_stream() {
         })
         .collect();
     assert_eq!(fragments, "{\"country\":\"UK\"}");
-    let end = chunks
-        .iter()
-        .position(|chunk| matches!(chunk, Chunk::ToolCallEnd { index: 0, .. }))
-        .expect("closed");
-    let finish = chunks
-        .iter()
-        .position(|chunk| matches!(chunk, Chunk::Finish(_)))
-        .expect("finished");
+    let end = chunks.iter().position(|chunk| matches!(chunk, Chunk::ToolCallEnd { index: 0, .. })).expect("closed");
+    let finish = chunks.iter().position(|chunk| matches!(chunk, Chunk::Finish(_))).expect("finished");
     assert!(end < finish);
     let reply = fold(&items).expect("ok");
-    assert_eq!(
-        reply.tool_calls,
-        vec![call(
-            "call_ZR5UUuTt3pf61kjwAJIYdVMj",
-            "get_capital",
-            json!({"country": "UK"})
-        )]
-    );
+    assert_eq!(reply.tool_calls, vec![call("call_ZR5UUuTt3pf61kjwAJIYdVMj", "get_capital", json!({"country": "UK"}))]);
     assert_eq!(reply.message().content, None);
     assert_eq!(reply.finish, Some(FinishReason::ToolCalls));
     assert_eq!(reply.usage, Some(usage(53, 15, 0, 0)));
@@ -222,11 +184,7 @@ fn openai_parallel_tool_calls_stream() {
         reply.tool_calls,
         vec![
             call("call_q2UyBRP7eXNTzAoR8lEhjc9Z", "get_country", json!({})),
-            call(
-                "call_b51ijcpFkDiTQG1bQzsrmtW5",
-                "get_product_name",
-                json!({})
-            ),
+            call("call_b51ijcpFkDiTQG1bQzsrmtW5", "get_product_name", json!({})),
         ]
     );
     assert_eq!(reply.text, "");
@@ -237,11 +195,7 @@ fn openai_parallel_tool_calls_stream() {
 #[test]
 fn azure_stream_with_filter_results_and_empty_first_chunk() {
     let reply = streamed("openai-compatible/azure-openai-stream-content-filter");
-    assert!(
-        reply
-            .text
-            .starts_with("I'm unable to provide real-time weather updates.")
-    );
+    assert!(reply.text.starts_with("I'm unable to provide real-time weather updates."));
     assert_eq!(reply.text.chars().count(), 199);
     assert_eq!(reply.finish, Some(FinishReason::Stop));
     assert_eq!(reply.usage, None, "no usage was asked for or sent");
@@ -249,10 +203,7 @@ fn azure_stream_with_filter_results_and_empty_first_chunk() {
 
 #[test]
 fn deepseek_reasoning_content_becomes_thinking() {
-    let items = decode(
-        &stream_body("openai-compatible/deepseek-stream-reasoning-content"),
-        &[],
-    );
+    let items = decode(&stream_body("openai-compatible/deepseek-stream-reasoning-content"), &[]);
     assert!(matches!(&items[0], Ok(Chunk::Thinking(text)) if text == "We"));
     let reply = fold(&items).expect("ok");
     assert_eq!(
@@ -261,23 +212,14 @@ fn deepseek_reasoning_content_becomes_thinking() {
     );
     assert_eq!(reply.text, "The product of 17 and 23 is 391.");
     // One thinking block, before the text, without a signature.
-    assert!(matches!(
-        reply.parts.as_slice(),
-        [Part::Thinking {
-            signature: None,
-            ..
-        }]
-    ));
+    assert!(matches!(reply.parts.as_slice(), [Part::Thinking { signature: None, .. }]));
     assert_eq!(reply.usage, Some(usage(17, 47, 34, 0)));
     assert_eq!(reply.finish, Some(FinishReason::Stop));
 }
 
 #[test]
 fn groq_error_event_in_a_200_stream_is_an_error_not_text() {
-    let items = decode(
-        &stream_body("openai-compatible/groq-stream-error-event"),
-        &[],
-    );
+    let items = decode(&stream_body("openai-compatible/groq-stream-error-event"), &[]);
     let (last, before) = items.split_last().expect("items");
     let error = last.as_ref().expect_err("ends in an error");
     assert_eq!(error.code, ErrorCode::InvalidRequest);
@@ -285,11 +227,7 @@ fn groq_error_event_in_a_200_stream_is_an_error_not_text() {
     assert!(error.message.starts_with("Tool call validation failed"));
     // What came before is Groq's `reasoning` field, read as thinking; no
     // error text leaked into the answer.
-    assert!(
-        before
-            .iter()
-            .all(|item| matches!(item, Ok(Chunk::Thinking(_))))
-    );
+    assert!(before.iter().all(|item| matches!(item, Ok(Chunk::Thinking(_)))));
     let thinking: String = before
         .iter()
         .filter_map(|item| match item {
@@ -304,10 +242,7 @@ fn groq_error_event_in_a_200_stream_is_an_error_not_text() {
 #[test]
 fn openrouter_tool_call_stream_with_repeated_roles_and_late_arguments() {
     let reply = streamed("openai-compatible/openrouter-stream-tool-call");
-    assert_eq!(
-        reply.tool_calls,
-        vec![call("llm_version:0", "llm_version", json!({}))]
-    );
+    assert_eq!(reply.tool_calls, vec![call("llm_version:0", "llm_version", json!({}))]);
     assert_eq!(reply.finish, Some(FinishReason::ToolCalls));
     assert_eq!(reply.usage, Some(usage(56, 12, 0, 0)));
 }
@@ -318,14 +253,7 @@ fn xai_reasoning_content_and_tool_call_with_reasoning_outside_completion_tokens(
     let thinking = thinking_text(&reply);
     assert!(thinking.starts_with("First, the user is asking about the weather in San Francisco."));
     assert_eq!(thinking.chars().count(), 1069);
-    assert_eq!(
-        reply.tool_calls,
-        vec![call(
-            "call_79382389",
-            "weather",
-            json!({"location": "San Francisco"})
-        )]
-    );
+    assert_eq!(reply.tool_calls, vec![call("call_79382389", "weather", json!({"location": "San Francisco"}))]);
     // completion_tokens (26) leaves out the 227 reasoning tokens that
     // total_tokens (560 = 307 + 26 + 227) counts: both are output.
     assert_eq!(reply.usage, Some(usage(307, 253, 227, 306)));
@@ -342,10 +270,7 @@ fn every_stream_cut_short_is_interrupted_or_complete_never_silently_partial() {
     let cut = text[..finish_at].rfind("\n\n").expect("event boundary") + 2;
     let items = decode(&body[..cut], &[]);
     assert_eq!(
-        items
-            .last()
-            .and_then(|item| item.as_ref().err())
-            .map(|error| error.code),
+        items.last().and_then(|item| item.as_ref().err()).map(|error| error.code),
         Some(ErrorCode::StreamInterrupted)
     );
     // Cut after the finish reason but before [DONE]: the reply is whole.
@@ -403,11 +328,7 @@ fn openai_complete_reasoning_tokens_counted_as_thinking() {
     assert!(reply.text.starts_with("That's right—I am a potato!"));
     assert_eq!(reply.usage, Some(usage(11, 809, 768, 0)));
     let image_reply = completed("openai/chat-image-url-input");
-    assert!(
-        image_reply
-            .text
-            .starts_with("The image is a close-up of a single rose")
-    );
+    assert!(image_reply.text.starts_with("The image is a close-up of a single rose"));
     assert_eq!(image_reply.usage, Some(usage(334, 429, 256, 0)));
     let vegetable = completed("openai/chat-image-base64-input");
     assert!(!vegetable.text.is_empty());
@@ -420,16 +341,8 @@ fn openai_complete_parallel_tool_calls() {
     assert_eq!(
         reply.tool_calls,
         vec![
-            call(
-                "call_jYdIdRZHxZTn5bWCq5jlMrJi",
-                "delete_file",
-                json!({"path": ".env"})
-            ),
-            call(
-                "call_TmlTVWQbzrXCZ4jNsCVNbNqu",
-                "create_file",
-                json!({"path": "test.txt"})
-            ),
+            call("call_jYdIdRZHxZTn5bWCq5jlMrJi", "delete_file", json!({"path": ".env"})),
+            call("call_TmlTVWQbzrXCZ4jNsCVNbNqu", "create_file", json!({"path": "test.txt"})),
         ]
     );
     assert_eq!(reply.message().content, None);
@@ -453,10 +366,7 @@ fn reasoning_field_of_compatible_servers_becomes_thinking() {
     assert_eq!(ollama.usage, Some(usage(134, 122, 0, 0)));
 
     let local = completed("openai-compatible/ollama-local-chat-json-schema");
-    assert_eq!(
-        local.text,
-        "{ \"city\": \"Paris\", \"country\": \"France\" }"
-    );
+    assert_eq!(local.text, "{ \"city\": \"Paris\", \"country\": \"France\" }");
     assert!(thinking_text(&local).starts_with("Okay, the user is asking"));
     assert_eq!(local.usage, Some(usage(136, 15, 0, 0)));
 }
@@ -466,11 +376,7 @@ fn ollama_tool_call_with_reasoning_and_index() {
     let reply = completed("openai-compatible/ollama-cloud-chat-tool-call");
     assert_eq!(
         reply.tool_calls,
-        vec![call(
-            "call_o2vnpxrw",
-            "final_result",
-            json!({"city": "Paris", "country": "France"})
-        )]
+        vec![call("call_o2vnpxrw", "final_result", json!({"city": "Paris", "country": "France"}))]
     );
     assert!(thinking_text(&reply).starts_with("The conversation: user asked"));
     assert_eq!(reply.text, "");
@@ -509,13 +415,7 @@ fn streamed_tool_calls_without_ids_get_distinct_assigned_ids() {
         "data: [DONE]\n\n",
     );
     let reply = fold(&decode(body.as_bytes(), &[])).expect("ok");
-    assert_eq!(
-        reply.tool_calls,
-        vec![
-            call("call_0", "a", json!({"x": 1})),
-            call("call_1", "b", json!({})),
-        ]
-    );
+    assert_eq!(reply.tool_calls, vec![call("call_0", "a", json!({"x": 1})), call("call_1", "b", json!({})),]);
 }
 
 // ---------------------------------------------------------------------------
@@ -524,13 +424,7 @@ fn streamed_tool_calls_without_ids_get_distinct_assigned_ids() {
 /// The recorded request minus `ignored` (JSON pointers, `*` for any array
 /// element): fields Arbor does not set, each listed with its reason at the
 /// call site. The rest must match exactly, in both directions.
-fn assert_reproduces(
-    case: &str,
-    provider: &OpenAiProvider,
-    request: &ChatRequest,
-    stream: bool,
-    ignored: &[&str],
-) {
+fn assert_reproduces(case: &str, provider: &OpenAiProvider, request: &ChatRequest, stream: bool, ignored: &[&str]) {
     let mut recorded = read_json(&format!("{case}.request.json"));
     for pointer in ignored {
         let removed = remove_pointer(&mut recorded, pointer);
@@ -546,11 +440,7 @@ fn assert_reproduces(
         }
     }
     let ours = provider.request_body(request, stream);
-    assert_eq!(
-        ours, recorded,
-        "{case}\nours:     {}\nrecorded: {}",
-        ours, recorded
-    );
+    assert_eq!(ours, recorded, "{case}\nours:     {}\nrecorded: {}", ours, recorded);
 }
 
 fn remove_pointer(value: &mut Value, pointer: &str) -> bool {
@@ -578,9 +468,7 @@ fn remove_segments(value: &mut Value, segments: &[&str]) -> bool {
                 .ok()
                 .and_then(|index| items.get_mut(index))
                 .is_some_and(|item| remove_segments(item, rest)),
-            (Value::Object(map), key) => map
-                .get_mut(key)
-                .is_some_and(|item| remove_segments(item, rest)),
+            (Value::Object(map), key) => map.get_mut(key).is_some_and(|item| remove_segments(item, rest)),
             _ => false,
         },
     }
@@ -600,11 +488,7 @@ fn legacy(stream_usage: bool) -> OpenAiProvider {
 }
 
 fn no_stream_usage() -> OpenAiProvider {
-    OpenAiProvider::new(OpenAiConfig {
-        stream_usage: false,
-        ..OpenAiConfig::default()
-    })
-    .expect("valid config")
+    OpenAiProvider::new(OpenAiConfig { stream_usage: false, ..OpenAiConfig::default() }).expect("valid config")
 }
 
 /// The tools offered in a recording, as Arbor tool specs (name, description
@@ -617,29 +501,18 @@ fn recorded_tools(case: &str) -> Vec<ToolSpec> {
         .iter()
         .map(|tool| ToolSpec {
             name: tool["function"]["name"].as_str().expect("name").into(),
-            description: tool["function"]["description"]
-                .as_str()
-                .unwrap_or_default()
-                .into(),
+            description: tool["function"]["description"].as_str().unwrap_or_default().into(),
             parameters: tool["function"]["parameters"].clone(),
         })
         .collect()
 }
 
 fn request(model: &str, messages: Vec<Message>) -> ChatRequest {
-    ChatRequest {
-        model: model.into(),
-        messages,
-        ..ChatRequest::default()
-    }
+    ChatRequest { model: model.into(), messages, ..ChatRequest::default() }
 }
 
 fn assistant_calls(calls: Vec<ToolCall>) -> Message {
-    Message {
-        content: None,
-        tool_calls: calls,
-        ..Message::assistant("")
-    }
+    Message { content: None, tool_calls: calls, ..Message::assistant("") }
 }
 
 fn image(url: Option<&str>, data: Option<&str>, mime_type: Option<&str>) -> Part {
@@ -669,67 +542,34 @@ fn openai_requests_are_reproduced() {
 
     let mut potato = request("o3-mini", vec![]);
     potato.system = Some("You are a potato.".into());
-    assert_reproduces(
-        "openai/chat-reasoning-tokens",
-        &provider,
-        &potato,
-        false,
-        &["/n"],
-    );
+    assert_reproduces("openai/chat-reasoning-tokens", &provider, &potato, false, &["/n"]);
 
-    let mut files = request(
-        "gpt-4o",
-        vec![Message::user(
-            "Delete the file `.env` and create `test.txt`",
-        )],
-    );
+    let mut files = request("gpt-4o", vec![Message::user("Delete the file `.env` and create `test.txt`")]);
     files.system = Some("Just call tools without asking for confirmation.".into());
     files.tools = recorded_tools("openai/chat-tool-calls-parallel");
-    assert_reproduces(
-        "openai/chat-tool-calls-parallel",
-        &provider,
-        &files,
-        false,
-        &[TOOL_CHOICE, STRICT],
-    );
+    assert_reproduces("openai/chat-tool-calls-parallel", &provider, &files, false, &[TOOL_CHOICE, STRICT]);
 
     let get_file = call("call_qLQ1cE6MlqfhbxeGig6LIw9D", "get_file", json!({}));
     let mut look = Message::user("This is file 6a18c6:");
-    look.parts.push(image(
-        Some("https://www.gstatic.com/webp/gallery3/1.png"),
-        None,
-        None,
-    ));
+    look.parts.push(image(Some("https://www.gstatic.com/webp/gallery3/1.png"), None, None));
     let mut image_url = request(
         "gpt-5-mini",
         vec![
-            Message::user(
-                "Use the get_file tool now to retrieve a image file, then describe what you received.",
-            ),
+            Message::user("Use the get_file tool now to retrieve a image file, then describe what you received."),
             assistant_calls(vec![get_file.clone()]),
             Message::tool_result(&get_file, ToolStatus::Success, "See file 6a18c6."),
             look,
         ],
     );
     image_url.tools = recorded_tools("openai/chat-image-url-input");
-    assert_reproduces(
-        "openai/chat-image-url-input",
-        &provider,
-        &image_url,
-        false,
-        &[TOOL_CHOICE],
-    );
+    assert_reproduces("openai/chat-image-url-input", &provider, &image_url, false, &[TOOL_CHOICE]);
 
     // The image bytes are taken from the recording; Arbor's part holds the
     // base64 and the adapter must rebuild the data URL around it, with the
     // media type given or, when missing, recognised from the bytes.
     let recorded = read_json("openai/chat-image-base64-input.request.json");
-    let data_url = recorded["messages"][0]["content"][1]["image_url"]["url"]
-        .as_str()
-        .expect("url");
-    let base64 = data_url
-        .strip_prefix("data:image/jpeg;base64,")
-        .expect("a jpeg data url");
+    let data_url = recorded["messages"][0]["content"][1]["image_url"]["url"].as_str().expect("url");
+    let base64 = data_url.strip_prefix("data:image/jpeg;base64,").expect("a jpeg data url");
     for mime_type in [Some("image/jpeg"), None] {
         let mut vegetable = Message::user("What is this vegetable?");
         vegetable.parts.push(image(None, Some(base64), mime_type));
@@ -742,21 +582,11 @@ fn openai_requests_are_reproduced() {
         );
     }
 
-    let get_capital = call(
-        "call_ZR5UUuTt3pf61kjwAJIYdVMj",
-        "get_capital",
-        json!({"country": "UK"}),
-    );
+    let get_capital = call("call_ZR5UUuTt3pf61kjwAJIYdVMj", "get_capital", json!({"country": "UK"}));
     let question = Message::user("What is the capital of the UK? Use the tool, then answer.");
     let mut single = request("gpt-4o-mini", vec![question.clone()]);
     single.tools = recorded_tools("openai/stream-tool-call-single");
-    assert_reproduces(
-        "openai/stream-tool-call-single",
-        &provider,
-        &single,
-        true,
-        &[TOOL_CHOICE, STRICT],
-    );
+    assert_reproduces("openai/stream-tool-call-single", &provider, &single, true, &[TOOL_CHOICE, STRICT]);
     let mut after = request(
         "gpt-4o-mini",
         vec![
@@ -766,37 +596,20 @@ fn openai_requests_are_reproduced() {
         ],
     );
     after.tools = single.tools.clone();
-    assert_reproduces(
-        "openai/stream-text-after-tool-result",
-        &provider,
-        &after,
-        true,
-        &[TOOL_CHOICE, STRICT],
-    );
+    assert_reproduces("openai/stream-text-after-tool-result", &provider, &after, true, &[TOOL_CHOICE, STRICT]);
 
     let mut parallel = request(
         "gpt-4o",
-        vec![Message::user(
-            "Tell me: the capital of the country; the weather there; the product name",
-        )],
+        vec![Message::user("Tell me: the capital of the country; the weather there; the product name")],
     );
     parallel.tools = recorded_tools("openai/stream-tool-calls-parallel");
     assert_eq!(parallel.tools.len(), 19);
-    assert_reproduces(
-        "openai/stream-tool-calls-parallel",
-        &provider,
-        &parallel,
-        true,
-        &[TOOL_CHOICE, STRICT],
-    );
+    assert_reproduces("openai/stream-tool-calls-parallel", &provider, &parallel, true, &[TOOL_CHOICE, STRICT]);
 
     assert_reproduces(
         "openai/stream-text-usage",
         &provider,
-        &request(
-            "gpt-4o",
-            vec![Message::user("What is the capital of Mexico?")],
-        ),
+        &request("gpt-4o", vec![Message::user("What is the capital of Mexico?")]),
         true,
         &[],
     );
@@ -808,30 +621,15 @@ fn openai_requests_are_reproduced() {
         &["/n"],
     );
 
-    let mut cached = request(
-        "gpt-4o",
-        vec![Message::user("How should I structure my database schema?")],
-    );
+    let mut cached = request("gpt-4o", vec![Message::user("How should I structure my database schema?")]);
     cached.system = Some("you are not an expert software engineer ".repeat(200));
     cached.max_output_tokens = Some(100);
     cached.temperature = Some(0.1);
-    assert_reproduces(
-        "openai/stream-text-cached-tokens-length",
-        &legacy(true),
-        &cached,
-        true,
-        &["/user"],
-    );
+    assert_reproduces("openai/stream-text-cached-tokens-length", &legacy(true), &cached, true, &["/user"]);
 
     let mut no_search = request("gpt-4o", vec![Message::user("What day is today?")]);
     no_search.system = Some("You are a helpful assistant.".into());
-    assert_reproduces(
-        "openai/error-400-param-code-null",
-        &provider,
-        &no_search,
-        false,
-        &["/web_search_options"],
-    );
+    assert_reproduces("openai/error-400-param-code-null", &provider, &no_search, false, &["/web_search_options"]);
 
     // The recording sends the system prompt as `developer` (which o1-mini
     // refused); Arbor sends `system`. Otherwise the request is the same.
@@ -889,13 +687,7 @@ fn compatible_server_requests_are_reproduced() {
     let final_result = recorded_tools("openai-compatible/ollama-cloud-chat-reasoning");
     let mut reasoning = request("gpt-oss:20b", vec![france()]);
     reasoning.tools = final_result.clone();
-    assert_reproduces(
-        "openai-compatible/ollama-cloud-chat-reasoning",
-        &provider,
-        &reasoning,
-        false,
-        &[TOOL_CHOICE],
-    );
+    assert_reproduces("openai-compatible/ollama-cloud-chat-reasoning", &provider, &reasoning, false, &[TOOL_CHOICE]);
 
     // The recorded client replayed the model's `reasoning`; Arbor does not
     // send thinking back (DeepSeek refuses it), so that field is the one
@@ -903,19 +695,12 @@ fn compatible_server_requests_are_reproduced() {
     let recorded = read_json("openai-compatible/ollama-cloud-chat-tool-call.request.json");
     let mut paris = Message::assistant("Paris.");
     paris.parts.push(Part::Thinking {
-        text: recorded["messages"][1]["reasoning"]
-            .as_str()
-            .expect("reasoning")
-            .into(),
+        text: recorded["messages"][1]["reasoning"].as_str().expect("reasoning").into(),
         signature: None,
     });
     let mut tool_call = request(
         "gpt-oss:20b",
-        vec![
-            france(),
-            paris,
-            Message::user(recorded["messages"][2]["content"].as_str().expect("text")),
-        ],
+        vec![france(), paris, Message::user(recorded["messages"][2]["content"].as_str().expect("text"))],
     );
     tool_call.tools = final_result;
     assert_reproduces(
@@ -942,18 +727,8 @@ fn compatible_server_requests_are_reproduced() {
         ..OpenAiConfig::default()
     })
     .expect("valid");
-    assert_reproduces(
-        "openai-compatible/gemini-openai-compat-tool-call",
-        &google,
-        &gemini,
-        false,
-        &[TOOL_CHOICE],
-    );
-    let get_time = call(
-        "pyd_ai_cee885c699414386a7e14b7ec43cadbc",
-        "get_current_time",
-        json!({}),
-    );
+    assert_reproduces("openai-compatible/gemini-openai-compat-tool-call", &google, &gemini, false, &[TOOL_CHOICE]);
+    let get_time = call("pyd_ai_cee885c699414386a7e14b7ec43cadbc", "get_current_time", json!({}));
     let mut gemini_after = request(
         "gemini-2.5-pro-preview-05-06",
         vec![
@@ -1001,39 +776,18 @@ fn compatible_server_requests_are_reproduced() {
         &["/n"],
     );
 
-    let mut joke = request(
-        "google/gemini-2.0-flash-exp:free",
-        vec![Message::user("Tell me a joke.")],
-    );
+    let mut joke = request("google/gemini-2.0-flash-exp:free", vec![Message::user("Tell me a joke.")]);
     joke.system = Some("Be helpful.".into());
-    assert_reproduces(
-        "openai-compatible/openrouter-error-429",
-        &provider,
-        &joke,
-        false,
-        &[],
-    );
+    assert_reproduces("openai-compatible/openrouter-error-429", &provider, &joke, false, &[]);
 
-    let mut version = request(
-        "gpt-4.1-mini",
-        vec![Message::user("What is the current llm version?")],
-    );
+    let mut version = request("gpt-4.1-mini", vec![Message::user("What is the current llm version?")]);
     version.tools = recorded_tools("openai-compatible/openrouter-stream-tool-call");
-    assert_reproduces(
-        "openai-compatible/openrouter-stream-tool-call",
-        &provider,
-        &version,
-        true,
-        &[],
-    );
+    assert_reproduces("openai-compatible/openrouter-stream-tool-call", &provider, &version, true, &[]);
 
     let mut deepseek = request("deepseek-v4-pro", vec![Message::user("What is 17 * 23?")]);
     deepseek.system = Some("You are a helpful assistant".into());
     deepseek.max_output_tokens = Some(1024);
-    deepseek.reasoning = Some(Reasoning {
-        effort: Some("high".into()),
-        budget_tokens: None,
-    });
+    deepseek.reasoning = Some(Reasoning { effort: Some("high".into()), budget_tokens: None });
     assert_reproduces(
         "openai-compatible/deepseek-stream-reasoning-content",
         &legacy(true),
@@ -1042,10 +796,7 @@ fn compatible_server_requests_are_reproduced() {
         &["/thinking"],
     );
 
-    let mut azure = request(
-        "gpt-4o-mini",
-        vec![Message::user("What's the weather like in NYC right now?")],
-    );
+    let mut azure = request("gpt-4o-mini", vec![Message::user("What's the weather like in NYC right now?")]);
     azure.max_output_tokens = Some(300);
     azure.temperature = Some(0.0);
     assert_reproduces(
@@ -1062,33 +813,15 @@ fn thinking_and_foreign_signatures_are_not_sent() {
     let mut reply = Message::assistant("42");
     reply.parts.push(Part::Thinking {
         text: "let me add".into(),
-        signature: Some(ProviderOpaque {
-            provider: "anthropic".into(),
-            data: "EqQBCkYI==".into(),
-        }),
+        signature: Some(ProviderOpaque { provider: "anthropic".into(), data: "EqQBCkYI==".into() }),
     });
-    reply.parts.push(Part::RedactedThinking {
-        data: ProviderOpaque {
-            provider: "anthropic".into(),
-            data: "opaque".into(),
-        },
-    });
+    reply
+        .parts
+        .push(Part::RedactedThinking { data: ProviderOpaque { provider: "anthropic".into(), data: "opaque".into() } });
     let mut gemini_call = call("c1", "add", json!({"a": 1}));
-    gemini_call.signature = Some(ProviderOpaque {
-        provider: "gemini".into(),
-        data: "sig".into(),
-    });
-    let body = openai().request_body(
-        &request(
-            "gpt-4o",
-            vec![
-                Message::user("add"),
-                reply,
-                assistant_calls(vec![gemini_call]),
-            ],
-        ),
-        false,
-    );
+    gemini_call.signature = Some(ProviderOpaque { provider: "gemini".into(), data: "sig".into() });
+    let body = openai()
+        .request_body(&request("gpt-4o", vec![Message::user("add"), reply, assistant_calls(vec![gemini_call])]), false);
     assert_eq!(
         body["messages"],
         json!([
@@ -1106,11 +839,7 @@ fn thinking_and_foreign_signatures_are_not_sent() {
 
 fn recorded_error(case: &str, status: u16, headers: HeaderMap) -> ProviderError {
     let body = String::from_utf8(read(&format!("{case}.response.json"))).expect("utf-8");
-    error_from_response(&ErrorResponse {
-        status,
-        headers,
-        body,
-    })
+    error_from_response(&ErrorResponse { status, headers, body })
 }
 
 fn recorded_status(case: &str) -> u16 {
@@ -1163,23 +892,12 @@ fn recorded_error_bodies_map_to_codes_and_keep_the_message() {
         assert_eq!(error.code, code, "{case}");
         assert_eq!(error.message, message, "{case}");
         assert_eq!(error.status, Some(status), "{case}");
-        assert_eq!(
-            error.retry_after, None,
-            "{case}: no retry-after was recorded"
-        );
+        assert_eq!(error.retry_after, None, "{case}: no retry-after was recorded");
     }
     // A body without request or meta: its status is in the README.
-    let error = recorded_error(
-        "openai/error-400-unsupported-parameter",
-        400,
-        HeaderMap::new(),
-    );
+    let error = recorded_error("openai/error-400-unsupported-parameter", 400, HeaderMap::new());
     assert_eq!(error.code, ErrorCode::InvalidRequest);
-    assert!(
-        error
-            .message
-            .contains("Use 'max_completion_tokens' instead.")
-    );
+    assert!(error.message.contains("Use 'max_completion_tokens' instead."));
 }
 
 #[test]
@@ -1199,21 +917,12 @@ fn context_length_errors_are_recognised() {
         "message": "This model's maximum context length is 128000 tokens. However, your messages resulted in 130532 tokens. Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"
     }});
-    for body in [
-        body.clone(),
-        json!({"error": {"message": body["error"]["message"], "type": "invalid_request_error"}}),
-    ] {
-        let error = error_from_response(&ErrorResponse {
-            status: 400,
-            headers: HeaderMap::new(),
-            body: body.to_string(),
-        });
+    for body in [body.clone(), json!({"error": {"message": body["error"]["message"], "type": "invalid_request_error"}})]
+    {
+        let error =
+            error_from_response(&ErrorResponse { status: 400, headers: HeaderMap::new(), body: body.to_string() });
         assert_eq!(error.code, ErrorCode::ContextLengthExceeded);
-        assert!(
-            error
-                .message
-                .starts_with("This model's maximum context length")
-        );
+        assert!(error.message.starts_with("This model's maximum context length"));
     }
 }
 
@@ -1230,10 +939,7 @@ fn an_error_object_in_a_200_stream_is_an_error() {
     assert_eq!(items.len(), 2, "nothing after the error");
     let content_filter = "data: {\"error\":{\"message\":\"blocked\",\"code\":\"content_filter\",\"status\":400}}\n\n";
     let items = decode(content_filter.as_bytes(), &[]);
-    assert_eq!(
-        items[0].as_ref().map_err(|error| error.code),
-        Err(ErrorCode::ContentFilter)
-    );
+    assert_eq!(items[0].as_ref().map_err(|error| error.code), Err(ErrorCode::ContentFilter));
 }
 
 // ---------------------------------------------------------------------------

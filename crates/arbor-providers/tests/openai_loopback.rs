@@ -51,12 +51,7 @@ const TEXT_STREAM: &str = concat!(
 /// plays every scenario.
 async fn chat_completions(State(log): State<Log>, headers: HeaderMap, body: Bytes) -> Response {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let text = |name: header::HeaderName| {
-        headers
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_string)
-    };
+    let text = |name: header::HeaderName| headers.get(name).and_then(|value| value.to_str().ok()).map(str::to_string);
     log.lock().expect("log").push(Seen {
         authorization: text(header::AUTHORIZATION),
         accept: text(header::ACCEPT),
@@ -64,10 +59,7 @@ async fn chat_completions(State(log): State<Log>, headers: HeaderMap, body: Byte
         body: body.clone(),
     });
     let sse = |body: Body| {
-        Response::builder()
-            .header(header::CONTENT_TYPE, "text/event-stream")
-            .body(body)
-            .expect("response")
+        Response::builder().header(header::CONTENT_TYPE, "text/event-stream").body(body).expect("response")
     };
     match body["model"].as_str().unwrap_or_default() {
         "text" => sse(Body::from(TEXT_STREAM)),
@@ -136,30 +128,20 @@ struct MockServer {
 
 async fn spawn_server() -> MockServer {
     let log: Log = Arc::default();
-    let router = Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .with_state(log.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let router = Router::new().route("/v1/chat/completions", post(chat_completions)).with_state(log.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     tokio::spawn(async move {
         axum::serve(listener, router).await.expect("serve");
     });
-    MockServer {
-        base_url: format!("http://{address}/v1"),
-        log,
-    }
+    MockServer { base_url: format!("http://{address}/v1"), log }
 }
 
 fn provider(server: &MockServer, key: Option<&str>) -> OpenAiProvider {
     OpenAiProvider::new(OpenAiConfig {
         base_url: server.base_url.clone(),
         api_key: key.map(Into::into),
-        timeouts: HttpTimeouts {
-            connect: Duration::from_secs(2),
-            read_idle: Duration::from_millis(300),
-        },
+        timeouts: HttpTimeouts { connect: Duration::from_secs(2), read_idle: Duration::from_millis(300) },
         extra_headers: vec![("x-custom".into(), "yes".into())],
         ..OpenAiConfig::default()
     })
@@ -208,10 +190,7 @@ async fn streams_a_reply_with_the_bearer_key_to_chat_completions() {
 #[tokio::test]
 async fn a_local_server_without_key_gets_no_authorization_header() {
     let server = spawn_server().await;
-    let reply = provider(&server, None)
-        .complete(chat("complete"))
-        .await
-        .expect("completes");
+    let reply = provider(&server, None).complete(chat("complete")).await.expect("completes");
     assert_eq!(reply.text, "Hi there");
     assert_eq!(reply.usage.map(|usage| usage.output_tokens), Some(2));
     let seen = server.log.lock().expect("log")[0].clone();
@@ -223,10 +202,7 @@ async fn a_local_server_without_key_gets_no_authorization_header() {
 #[tokio::test]
 async fn a_server_that_ignores_stream_true_is_still_read() {
     let server = spawn_server().await;
-    let stream = provider(&server, None)
-        .stream(chat("ignores-stream"))
-        .await
-        .expect("starts");
+    let stream = provider(&server, None).stream(chat("ignores-stream")).await.expect("starts");
     let reply = collect_stream(stream).await.expect("reads");
     assert_eq!(reply.text, "not streamed");
 }
@@ -235,10 +211,9 @@ async fn a_server_that_ignores_stream_true_is_still_read() {
 async fn http_429_is_a_rate_limit_with_retry_after() {
     let server = spawn_server().await;
     let provider = provider(&server, Some("k"));
-    for error in [
-        provider.stream(chat("rate-limited")).await.err(),
-        provider.complete(chat("rate-limited")).await.err(),
-    ] {
+    for error in
+        [provider.stream(chat("rate-limited")).await.err(), provider.complete(chat("rate-limited")).await.err()]
+    {
         let error = error.expect("fails");
         assert_eq!(error.code, ErrorCode::RateLimit);
         assert_eq!(error.retry_after, Some(Duration::from_secs(7)));
@@ -257,11 +232,7 @@ async fn http_500_and_503_are_provider_failures() {
     assert!(error.message.starts_with("The server had an error"));
     assert!(error.code.is_transient());
 
-    let error = provider
-        .stream(chat("overloaded"))
-        .await
-        .err()
-        .expect("fails");
+    let error = provider.stream(chat("overloaded")).await.err().expect("fails");
     assert_eq!(error.code, ErrorCode::Overloaded, "{error}");
     assert!(error.message.contains("upstream overloaded"));
 }
@@ -269,46 +240,31 @@ async fn http_500_and_503_are_provider_failures() {
 #[tokio::test]
 async fn a_stall_mid_stream_ends_in_timeout_not_a_hang() {
     let server = spawn_server().await;
-    let stream = provider(&server, None)
-        .stream(chat("stalls-mid-stream"))
-        .await
-        .expect("headers arrive");
+    let stream = provider(&server, None).stream(chat("stalls-mid-stream")).await.expect("headers arrive");
     let items = drain(stream).await;
     assert_eq!(items[0], Ok(Chunk::Text("Hel".into())));
-    let error = items
-        .last()
-        .and_then(|item| item.as_ref().err())
-        .expect("an error");
+    let error = items.last().and_then(|item| item.as_ref().err()).expect("an error");
     assert_eq!(error.code, ErrorCode::Timeout, "{error}");
 }
 
 #[tokio::test]
 async fn silence_before_the_headers_ends_in_timeout() {
     let server = spawn_server().await;
-    let error = tokio::time::timeout(
-        Duration::from_secs(10),
-        provider(&server, None).stream(chat("silent")),
-    )
-    .await
-    .expect("returns instead of hanging")
-    .err()
-    .expect("fails");
+    let error = tokio::time::timeout(Duration::from_secs(10), provider(&server, None).stream(chat("silent")))
+        .await
+        .expect("returns instead of hanging")
+        .err()
+        .expect("fails");
     assert_eq!(error.code, ErrorCode::Timeout, "{error}");
 }
 
 #[tokio::test]
 async fn a_connection_closed_mid_reply_is_interrupted() {
     let server = spawn_server().await;
-    let stream = provider(&server, None)
-        .stream(chat("hangs-up-mid-stream"))
-        .await
-        .expect("starts");
+    let stream = provider(&server, None).stream(chat("hangs-up-mid-stream")).await.expect("starts");
     let items = drain(stream).await;
     assert_eq!(items[0], Ok(Chunk::Text("Hel".into())));
-    let error = items
-        .last()
-        .and_then(|item| item.as_ref().err())
-        .expect("an error");
+    let error = items.last().and_then(|item| item.as_ref().err()).expect("an error");
     assert_eq!(error.code, ErrorCode::StreamInterrupted, "{error}");
 }
 
@@ -317,11 +273,9 @@ async fn nothing_listening_is_provider_unavailable() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = listener.local_addr().expect("address");
     drop(listener);
-    let provider = OpenAiProvider::new(OpenAiConfig {
-        base_url: format!("http://{address}/v1"),
-        ..OpenAiConfig::default()
-    })
-    .expect("valid config");
+    let provider =
+        OpenAiProvider::new(OpenAiConfig { base_url: format!("http://{address}/v1"), ..OpenAiConfig::default() })
+            .expect("valid config");
     let error = provider.stream(chat("text")).await.err().expect("fails");
     assert_eq!(error.code, ErrorCode::ProviderUnavailable, "{error}");
 }

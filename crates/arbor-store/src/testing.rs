@@ -60,7 +60,10 @@ mod tests {
     #[test]
     fn the_database_name_is_replaced_and_options_kept() {
         assert_eq!(with_database("postgres://u@h:5432/test", "x"), "postgres://u@h:5432/x");
-        assert_eq!(with_database("postgres://u@h:5432/test?sslmode=disable", "x"), "postgres://u@h:5432/x?sslmode=disable");
+        assert_eq!(
+            with_database("postgres://u@h:5432/test?sslmode=disable", "x"),
+            "postgres://u@h:5432/x?sslmode=disable"
+        );
         assert_eq!(with_database("postgres://u@h:5432", "x"), "postgres://u@h:5432/x");
     }
 }

@@ -48,43 +48,23 @@ pub async fn spawn_app() -> TestApp {
 pub async fn spawn_app_with(options: AppOptions) -> TestApp {
     let data_dir = tempfile::tempdir().expect("temporary data dir");
     let env = options.env;
-    let lookup = move |name: &str| {
-        env.iter()
-            .find(|(key, _)| key == name)
-            .map(|(_, value)| value.clone())
-    };
-    let overrides = Overrides {
-        listen: Some("127.0.0.1:0".into()),
-        data_dir: Some(data_dir.path().to_path_buf()),
-    };
-    let config =
-        Config::from_toml(&options.config_toml, &overrides, &lookup).expect("test config is valid");
+    let lookup = move |name: &str| env.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone());
+    let overrides = Overrides { listen: Some("127.0.0.1:0".into()), data_dir: Some(data_dir.path().to_path_buf()) };
+    let config = Config::from_toml(&options.config_toml, &overrides, &lookup).expect("test config is valid");
     start(config, data_dir).await
 }
 
 /// Starts Arbor on an existing data dir (a restart after a crash).
 pub async fn restart_app(data_dir: tempfile::TempDir, config_toml: &str) -> TestApp {
-    let overrides = Overrides {
-        listen: Some("127.0.0.1:0".into()),
-        data_dir: Some(data_dir.path().to_path_buf()),
-    };
-    let config =
-        Config::from_toml(config_toml, &overrides, &|_| None).expect("test config is valid");
+    let overrides = Overrides { listen: Some("127.0.0.1:0".into()), data_dir: Some(data_dir.path().to_path_buf()) };
+    let config = Config::from_toml(config_toml, &overrides, &|_| None).expect("test config is valid");
     start(config, data_dir).await
 }
 
 async fn start(config: Config, data_dir: tempfile::TempDir) -> TestApp {
-    let app = arbor_server::setup::build(config.clone(), true)
-        .await
-        .expect("arbor starts");
-    let admin_key = app
-        .first_admin
-        .as_ref()
-        .map(|admin| admin.key.clone())
-        .unwrap_or_default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind a loopback port");
+    let app = arbor_server::setup::build(config.clone(), true).await.expect("arbor starts");
+    let admin_key = app.first_admin.as_ref().map(|admin| admin.key.clone()).unwrap_or_default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
     let base_url = format!("http://{}", listener.local_addr().expect("bound address"));
     let (stop, stopped) = oneshot::channel::<()>();
     let engine = app.state.engine.clone();
@@ -128,11 +108,7 @@ impl TestApp {
 
     /// Creates a user and returns their key.
     pub async fn new_user(&self, name: &str) -> String {
-        self.engine
-            .create_user(name, false)
-            .await
-            .expect("user created")
-            .1
+        self.engine.create_user(name, false).await.expect("user created").1
     }
 
     pub async fn get(&self, key: &str, path: &str) -> JsonResponse {
@@ -147,18 +123,11 @@ impl TestApp {
     }
 
     pub async fn post(&self, key: &str, path: &str, body: &Value) -> JsonResponse {
-        self.send_raw(key, reqwest::Method::POST, path, body.to_string())
-            .await
+        self.send_raw(key, reqwest::Method::POST, path, body.to_string()).await
     }
 
     /// Sends a raw body with `content-type: application/json`.
-    pub async fn send_raw(
-        &self,
-        key: &str,
-        method: reqwest::Method,
-        path: &str,
-        body: String,
-    ) -> JsonResponse {
+    pub async fn send_raw(&self, key: &str, method: reqwest::Method, path: &str, body: String) -> JsonResponse {
         let response = self
             .client
             .request(method, self.url(path))
@@ -174,26 +143,13 @@ impl TestApp {
     /// Creates a conversation and returns its id.
     pub async fn new_conversation(&self, key: &str, body: Value) -> String {
         let response = self.post(key, "/v1/conversations", &body).await;
-        assert_eq!(
-            response.status, 201,
-            "conversation created: {:?}",
-            response.body
-        );
-        response.body["id"]
-            .as_str()
-            .expect("conversation id")
-            .to_string()
+        assert_eq!(response.status, 201, "conversation created: {:?}", response.body);
+        response.body["id"].as_str().expect("conversation id").to_string()
     }
 
     /// Posts with `Accept: text/event-stream` and reads the whole stream
     /// (bounded by `deadline`).
-    pub async fn stream(
-        &self,
-        key: &str,
-        path: &str,
-        body: &Value,
-        deadline: Duration,
-    ) -> (u16, Vec<SseEvent>) {
+    pub async fn stream(&self, key: &str, path: &str, body: &Value, deadline: Duration) -> (u16, Vec<SseEvent>) {
         let response = self
             .client
             .post(self.url(path))
@@ -204,10 +160,8 @@ impl TestApp {
             .await
             .expect("request sent");
         let status = response.status().as_u16();
-        let text = tokio::time::timeout(deadline, response.text())
-            .await
-            .expect("stream ended in time")
-            .unwrap_or_default();
+        let text =
+            tokio::time::timeout(deadline, response.text()).await.expect("stream ended in time").unwrap_or_default();
         (status, parse_sse(&text))
     }
 
@@ -223,9 +177,7 @@ impl TestApp {
             Some(body) => self.client.post(self.url(path)).json(body),
             None => self.client.get(self.url(path)),
         };
-        request = request
-            .header(AUTHORIZATION, format!("Bearer {key}"))
-            .header(ACCEPT, "text/event-stream");
+        request = request.header(AUTHORIZATION, format!("Bearer {key}")).header(ACCEPT, "text/event-stream");
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
@@ -241,9 +193,7 @@ impl TestApp {
             let _ = server.await;
         }
         // Leave the data dir to the caller, e.g. to restart on it.
-        self.data_dir
-            .take()
-            .expect("the data dir is only taken here")
+        self.data_dir.take().expect("the data dir is only taken here")
     }
 }
 

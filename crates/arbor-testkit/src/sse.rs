@@ -63,11 +63,7 @@ pub struct SseReader {
 impl SseReader {
     pub fn new(response: reqwest::Response) -> SseReader {
         let status = response.status().as_u16();
-        SseReader {
-            body: Box::pin(response.bytes_stream()),
-            buffer: String::new(),
-            status,
-        }
+        SseReader { body: Box::pin(response.bytes_stream()), buffer: String::new(), status }
     }
 
     /// The next event, or `None` when the stream ended or `deadline` passed.
