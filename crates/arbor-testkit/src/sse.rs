@@ -36,23 +36,6 @@ pub fn parse_sse(text: &str) -> Vec<SseEvent> {
     events
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_ids_names_and_json_and_skips_comments() {
-        let events = parse_sse(
-            "id: 1\nevent: delta\ndata: {\"text\":\"hi\"}\n\n: keep-alive\n\nid: 2\nevent: done\ndata: {}\n\n",
-        );
-        assert_eq!(events.len(), 2);
-        assert_eq!(events[0].id, Some(1));
-        assert_eq!(events[0].event, "delta");
-        assert_eq!(events[0].data["text"], "hi");
-        assert_eq!(events[1].event, "done");
-    }
-}
-
 /// Reads a live SSE response one event at a time.
 pub struct SseReader {
     body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
@@ -98,5 +81,22 @@ impl SseReader {
             }
         }
         events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ids_names_and_json_and_skips_comments() {
+        let events = parse_sse(
+            "id: 1\nevent: delta\ndata: {\"text\":\"hi\"}\n\n: keep-alive\n\nid: 2\nevent: done\ndata: {}\n\n",
+        );
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].id, Some(1));
+        assert_eq!(events[0].event, "delta");
+        assert_eq!(events[0].data["text"], "hi");
+        assert_eq!(events[1].event, "done");
     }
 }
