@@ -345,21 +345,21 @@ w("| Arbor | rate | success | TTFT direct p50 / p99 | TTFT Arbor p50 / p99 | TTF
   "| Arbor CPU |")
 w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for scenario, label in [("S3", "as built"), ("S3-nodelay", "nodelay")]:
-  for rate in rates(scenario, "sqlite"):
-    p = point(scenario, rate, "sqlite")
-    base = point("S0-stream", rate)
-    g = lambda point_, field, q: point_.get(field, q) if point_ else None  # noqa: E731
-    w(f"| {label} | {rate_text(rate)} | {success_text(p)} "
-      f"| {pair(g(base, 'first_delta_us', 'p50'), g(base, 'first_delta_us', 'p99'))} "
-      f"| {pair(g(p, 'first_delta_us', 'p50'), g(p, 'first_delta_us', 'p99'))} "
-      f"| {pair(overhead(p, base, 'first_delta_us', 'p50'), overhead(p, base, 'first_delta_us', 'p99'))} "
-      f"| {pair(g(p, 'first_event_us', 'p50'), g(p, 'first_event_us', 'p99'))} "
-      f"| {pair(g(base, 'delta_gap_us', 'p50'), g(base, 'delta_gap_us', 'p99'))} "
-      f"| {pair(g(p, 'delta_gap_us', 'p50'), g(p, 'delta_gap_us', 'p99'))} "
-      f"| {pair(overhead(p, base, 'delta_gap_us', 'p50'), overhead(p, base, 'delta_gap_us', 'p99'))} "
-      f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
-      f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
-      f"| {p.get('server_cpu_percent') or 0:.0f}% |")
+    for rate in rates(scenario, "sqlite"):
+        p = point(scenario, rate, "sqlite")
+        base = point("S0-stream", rate)
+        g = lambda point_, field, q: point_.get(field, q) if point_ else None  # noqa: E731
+        w(f"| {label} | {rate_text(rate)} | {success_text(p)} "
+          f"| {pair(g(base, 'first_delta_us', 'p50'), g(base, 'first_delta_us', 'p99'))} "
+          f"| {pair(g(p, 'first_delta_us', 'p50'), g(p, 'first_delta_us', 'p99'))} "
+          f"| {pair(overhead(p, base, 'first_delta_us', 'p50'), overhead(p, base, 'first_delta_us', 'p99'))} "
+          f"| {pair(g(p, 'first_event_us', 'p50'), g(p, 'first_event_us', 'p99'))} "
+          f"| {pair(g(base, 'delta_gap_us', 'p50'), g(base, 'delta_gap_us', 'p99'))} "
+          f"| {pair(g(p, 'delta_gap_us', 'p50'), g(p, 'delta_gap_us', 'p99'))} "
+          f"| {pair(overhead(p, base, 'delta_gap_us', 'p50'), overhead(p, base, 'delta_gap_us', 'p99'))} "
+          f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
+          f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
+          f"| {p.get('server_cpu_percent') or 0:.0f}% |")
 w("")
 
 # ---------------------------------------------------------------- S4
@@ -472,6 +472,8 @@ w(f"- memory: {machine.get('memory', '?')}")
 w(f"- kernel: {machine.get('kernel', '?')}")
 w(f"- {machine.get('rustc', '?')}; release profile (thin LTO, 4 codegen units)")
 w(f"- date: {date}; commit `{commit}`")
+w(f"- load average (1, 5, 15 min) at the start: {' '.join(machine.get('loadavg_start', []))}; at the end: "
+  f"{' '.join(machine.get('loadavg_end', []))} (this run's own load is about 2; more means other work shared the cores)")
 w("")
 w("## Reproduce")
 w("")

@@ -246,6 +246,7 @@ print(json.dumps({
     "dirty": bool(cmd("git", "-C", "$ROOT", "status", "--porcelain", "--untracked-files=no")),
     "date": cmd("date", "-u", "+%Y-%m-%d %H:%M UTC"), "arbor_core": $ARBOR_CORE, "load_core": $LOAD_CORE,
     "chunks": $CHUNKS, "chunk_delay_ms": $CHUNK_DELAY_MS, "smoke": $SMOKE == 1,
+    "loadavg_start": open("/proc/loadavg").read().split()[:3],
 }))
 EOF
 
@@ -389,6 +390,13 @@ EOF
 fi
 
 # --- the report ------------------------------------------------------------------
+# The machine may be shared: the load average at the end says how much.
+python3 - "$RESULTS/machine.json" <<'EOF'
+import json, sys
+machine = json.load(open(sys.argv[1]))
+machine["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
+json.dump(machine, open(sys.argv[1], "w"))
+EOF
 python3 "$ROOT/bench/report.py" "$RESULTS" "$REPORT"
 if [[ $SMOKE == 1 ]]; then
   # Every request must have succeeded, every scenario must have written.
