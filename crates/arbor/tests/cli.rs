@@ -1,0 +1,99 @@
+//! The command line as scripts use it: `users add` and `keys create` print
+//! the key alone on stdout, `serve` prints the first admin's key once and
+//! stops cleanly on SIGTERM, and bad configs are refused with the problem
+//! named.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn arbor() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_arbor"));
+    command
+        .env("RUST_LOG", "warn")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("ANTHROPIC_API_KEY")
+        .env_remove("GEMINI_API_KEY");
+    command
+}
+
+fn stdout_of(command: &mut Command) -> String {
+    let output = command.output().expect("arbor runs");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).expect("utf-8")
+}
+
+#[test]
+fn users_and_keys_print_the_key_alone_and_keys_work_once_hashed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().to_str().expect("path");
+    let first = stdout_of(arbor().args(["users", "add", "alice", "--data-dir", data]));
+    let key = first.trim();
+    assert_eq!(first.lines().count(), 1, "only the key: {first:?}");
+    assert!(key.starts_with("arb_") && key.len() == 68, "{key}");
+    let second = stdout_of(arbor().args(["keys", "create", "--user", "alice", "--data-dir", data]));
+    assert_ne!(second.trim(), key, "every key is new");
+
+    // The database holds neither key, only hashes.
+    let database = std::fs::read(dir.path().join("arbor.db")).expect("database file");
+    let text = String::from_utf8_lossy(&database);
+    assert!(!text.contains(key) && !text.contains(second.trim()));
+
+    let duplicate = arbor().args(["users", "add", "alice", "--data-dir", data]).output().expect("runs");
+    assert!(!duplicate.status.success());
+    assert!(String::from_utf8_lossy(&duplicate.stderr).contains("already exists"));
+    let unknown = arbor().args(["keys", "create", "--user", "nobody", "--data-dir", data]).output().expect("runs");
+    assert!(!unknown.status.success());
+}
+
+#[test]
+fn a_config_with_an_unknown_key_is_refused_naming_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("arbor.toml");
+    std::fs::write(&config, "[server]\nlisten = \"127.0.0.1:0\"\nlisen = 1\n").expect("written");
+    let output = arbor()
+        .args(["users", "add", "x", "--config"])
+        .arg(&config)
+        .args(["--data-dir", dir.path().to_str().expect("path")])
+        .output()
+        .expect("runs");
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("lisen"));
+}
+
+#[test]
+fn serve_prints_the_first_admin_key_once_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let listen = format!("127.0.0.1:{port}");
+    let start = || {
+        arbor()
+            .args(["serve", "--listen", &listen, "--data-dir", dir.path().to_str().expect("path")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("serve starts")
+    };
+    for run in 0..2 {
+        let child = start();
+        // Wait for readiness.
+        let mut ready = false;
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(&listen).is_ok() {
+                ready = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(ready, "serve listens");
+        let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+        assert!(status.success());
+        let output = child.wait_with_output().expect("serve exits");
+        assert!(output.status.success(), "a clean exit on SIGTERM: {:?}", output.status);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        if run == 0 {
+            assert!(stdout.contains("arb_") && stdout.contains("Authorization: Bearer"), "{stdout}");
+        } else {
+            assert!(!stdout.contains("arb_"), "the key is shown only once: {stdout}");
+        }
+    }
+}
