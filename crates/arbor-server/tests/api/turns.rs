@@ -348,3 +348,31 @@ async fn concurrent_turns_never_spend_past_a_users_credits() {
     assert_eq!(refused.status, 402);
     assert_eq!(refused.body["error"]["code"], "quota_exceeded");
 }
+
+#[tokio::test]
+async fn a_turn_still_running_after_the_grace_period_is_interrupted_and_kept() {
+    let app = spawn_app().await;
+    let key = app.admin_key.clone();
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
+    let mut stream = app
+        .open_stream(
+            &key,
+            &format!("/v1/conversations/{conversation}/messages"),
+            Some(&json!({"content": "long"})),
+            &[],
+        )
+        .await;
+    let started = stream.until("delta", DEADLINE).await;
+    let turn_id = started[0].data["turn_id"].as_str().expect("turn").to_string();
+    // The demo takes ~300 ms; a 20 ms grace period runs out first.
+    app.engine.shutdown(Duration::from_millis(20)).await;
+    let turn = app.engine.store().turn(&conversation, &turn_id).await.expect("read").expect("turn");
+    assert_eq!(turn.status.as_str(), "interrupted");
+    let tree = app.engine.conversation_tree(&user, &conversation).await.expect("tree");
+    assert_eq!(tree.messages.len(), 2);
+    assert_eq!(tree.messages[1].status.as_str(), "interrupted", "the partial answer is kept");
+    // New turns are refused while stopping.
+    let refused = app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "x"})).await;
+    assert_eq!(refused.status, 503);
+}
