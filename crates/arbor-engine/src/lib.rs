@@ -122,6 +122,8 @@ pub struct ConversationTree {
 pub struct TurnDetails {
     pub turn: Turn,
     pub api_calls: Vec<ApiCall>,
+    /// The turn's events as stored, in order: its whole trace.
+    pub events: Vec<arbor_core::Event>,
 }
 
 pub(crate) struct Inner {
@@ -356,7 +358,15 @@ impl Engine {
         let conversation = self.conversation(user, conversation_id).await?;
         let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
         let api_calls = self.inner.store.api_calls(&turn.id).await?;
-        Ok(TurnDetails { turn, api_calls })
+        let mut events = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = self.inner.store.events_after(&conversation.id, after, 1000).await?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            events.extend(page.into_iter().filter(|event| event.turn_id.as_deref() == Some(turn.id.as_str())));
+        }
+        Ok(TurnDetails { turn, api_calls, events })
     }
 
     /// Stops a running turn now. Cancelling a finished turn changes nothing.

@@ -248,6 +248,13 @@ async fn read_turn(
     let details = state.engine.turn_details(&user, &id, &turn).await?;
     let mut body = views::turn(&details.turn);
     body["api_calls"] = json!(details.api_calls.iter().map(views::api_call).collect::<Vec<_>>());
+    body["trace"] = json!(
+        details
+            .events
+            .iter()
+            .map(|event| json!({"id": event.seq, "event": event.name.as_str(), "data": event.data_json()}))
+            .collect::<Vec<_>>()
+    );
     Ok(axum::Json(body))
 }
 
