@@ -136,8 +136,12 @@ pub(crate) fn malformed(chunk: &Bytes) -> Bytes {
         broken.push_str(&text[payload_end..]);
         return Bytes::from(broken);
     }
+    // A piece of a JSON body (a non-streamed reply, an array element): cut
+    // it, and close a string and the object early, so that the result is
+    // invalid wherever the cut falls (a cut inside a string alone could leave
+    // valid JSON with garbled text).
     let cut = half(&text);
-    Bytes::from(text[..cut].to_owned())
+    Bytes::from(format!("{}\"}}{{", &text[..cut]))
 }
 
 /// The middle of a string, on a character boundary, never 0 for a string of
@@ -172,7 +176,10 @@ mod tests {
         let payload = text.trim_start_matches("event: x\ndata: ").trim_end();
         assert!(serde_json::from_str::<serde_json::Value>(payload).is_err());
         let array_element = Bytes::from_static(b"[{\"a\": 1}");
-        assert_eq!(&malformed(&array_element)[..], b"[{\"a");
+        assert_eq!(&malformed(&array_element)[..], b"[{\"a\"}{");
+        let inside_a_string = Bytes::from_static(b"{\"text\":\"One two three\"}");
+        let broken = malformed(&inside_a_string);
+        assert!(serde_json::from_slice::<serde_json::Value>(&broken).is_err(), "{broken:?}");
     }
 
     #[test]
