@@ -544,6 +544,15 @@ impl Inner {
         if let Some(last) = nodes.last() {
             turn.user_message_id = last.id.clone();
         }
+        // With several nodes, queued turns start in the order they arrived,
+        // whichever node holds them: only the oldest may take the slot.
+        if self.config.shared
+            && queued.waited
+            && let Some(oldest) = self.oldest_queued(&conversation.id).await?
+            && oldest.id != turn.id
+        {
+            return Err(EngineError::TurnRunning { turn_id: oldest.id });
+        }
         // The database's slot first (one running turn per conversation, on
         // any node): a turn that cannot run yet has written nothing.
         turn.status = TurnStatus::Running;
@@ -584,6 +593,15 @@ impl Inner {
             hub.advance_tree(conversation.head_version, head_version, &nodes);
         }
         Ok((turn, nodes, head_version))
+    }
+
+    /// The conversation's longest-waiting queued turn, on any node.
+    async fn oldest_queued(&self, conversation_id: &str) -> EngineResult<Option<Turn>> {
+        let queued = self.store.turns_with_status(&[TurnStatus::Queued]).await?;
+        Ok(queued
+            .into_iter()
+            .filter(|turn| turn.conversation_id == conversation_id)
+            .min_by(|left, right| (left.created_at, &left.id).cmp(&(right.created_at, &right.id))))
     }
 
     /// The error for a turn slot the database says is taken by another node.

@@ -183,6 +183,24 @@ async fn run_story(database_url: String) {
     assert!(ids_b.windows(2).all(|pair| pair[1] == pair[0] + 1), "no gap on B: {ids_b:?}");
     assert!(ids_a.iter().all(|id| ids_b.contains(id)), "same numbering on both nodes");
 
+    // Queued turns start in arrival order across nodes: one queued on B,
+    // then one on A, both behind a turn running on A.
+    let mut first =
+        stream(&a, &key, &format!("/v1/conversations/{conversation}/messages"), Some(json!({"content": "busy"}))).await;
+    first.until("delta", DEADLINE).await;
+    let path = format!("/v1/conversations/{conversation}/messages");
+    let (on_b_queued, on_a_queued) =
+        tokio::join!(post(&b, &key, &path, json!({"content": "queued on B", "id": "qb", "queue": true})), async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            post(&a, &key, &path, json!({"content": "queued on A", "id": "qa", "queue": true})).await
+        });
+    assert_eq!(on_b_queued.0, 200, "{}", on_b_queued.1);
+    assert_eq!(on_a_queued.0, 200, "{}", on_a_queued.1);
+    let tree = get(&b, &key, &format!("/v1/conversations/{conversation}")).await;
+    let nodes = tree["messages"].as_array().expect("messages").clone();
+    let parent_of = |id: &str| nodes.iter().find(|node| node["id"] == id).map(|node| node["parent_id"].clone());
+    assert_eq!(parent_of("qa"), Some(on_b_queued.1["message"]["id"].clone()), "A's queued turn ran after B's");
+
     // (b) 409 from B while A runs a turn; (c) a cancel through B stops it.
     let mut running =
         stream(&a, &key, &format!("/v1/conversations/{conversation}/messages"), Some(json!({"content": "again"})))
