@@ -595,12 +595,15 @@ impl Inner {
         Ok((turn, nodes, head_version))
     }
 
-    /// The conversation's longest-waiting queued turn, on any node.
+    /// The conversation's longest-waiting queued turn, on any node. A turn
+    /// queued for longer than ten turn time limits is taken for abandoned (its
+    /// node died) and no longer holds the others back.
     async fn oldest_queued(&self, conversation_id: &str) -> EngineResult<Option<Turn>> {
         let queued = self.store.turns_with_status(&[TurnStatus::Queued]).await?;
+        let abandoned_before = now_millis() - 10 * self.config.limits.turn_timeout.as_millis() as i64;
         Ok(queued
             .into_iter()
-            .filter(|turn| turn.conversation_id == conversation_id)
+            .filter(|turn| turn.conversation_id == conversation_id && turn.created_at >= abandoned_before)
             .min_by(|left, right| (left.created_at, &left.id).cmp(&(right.created_at, &right.id))))
     }
 
