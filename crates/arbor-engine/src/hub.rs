@@ -241,6 +241,7 @@ impl Hub {
                         last.nodes.push(Node { turn_id: Some(last.turn.id.clone()), ..node });
                     }
                 }
+                last.turn.pending_messages = last.nodes.clone();
                 let merged = last.turn.clone();
                 let outcome = last.outcome.subscribe();
                 let receiver = self.sender.subscribe();
@@ -249,6 +250,8 @@ impl Hub {
                 Slot::Merged { turn: merged, subscription, last_seq, outcome }
             }
             QueueMode::Fifo | QueueMode::Merge => {
+                // Stored with the turn's row: durable until the turn starts.
+                turn.turn.pending_messages = turn.nodes.clone();
                 let queued_turn = turn.turn.clone();
                 turn.waited = true;
                 state.queue.push_back(turn);

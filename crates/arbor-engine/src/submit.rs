@@ -425,6 +425,7 @@ impl Inner {
             created_at: now,
             started_at: None,
             finished_at: None,
+            pending_messages: Vec::new(),
         };
         let queued = QueuedTurn {
             turn,
@@ -458,6 +459,7 @@ impl Inner {
                     if matches!(error, EngineError::TurnRunning { .. }) && queue != QueueMode::Refuse {
                         let mut waiting = queued.turn.clone();
                         waiting.status = TurnStatus::Queued;
+                        waiting.pending_messages = queued.nodes.clone();
                         self.store.insert_turn(&waiting).await?;
                         hub.requeue_front(*queued);
                         hub.emit(Some(&turn_id), EventName::TurnQueued, &json!({"turn_id": &*turn_id, "position": 1}));
@@ -484,6 +486,8 @@ impl Inner {
             }
             Slot::Merged { turn, subscription, last_seq, outcome: joined_outcome } => {
                 let joined: Arc<str> = Arc::from(turn.id.as_str());
+                // The joined turn's row keeps every merged message durable.
+                self.store.update_turn(&turn).await?;
                 let events = stream::follow(
                     self.store.clone(),
                     hub.clone(),
@@ -554,11 +558,21 @@ impl Inner {
             return Err(EngineError::TurnRunning { turn_id: oldest.id });
         }
         // The database's slot first (one running turn per conversation, on
-        // any node): a turn that cannot run yet has written nothing.
+        // any node): a turn that cannot run yet has written nothing. Its
+        // messages move from the row into the tree below.
         turn.status = TurnStatus::Running;
+        turn.pending_messages.clear();
         turn.started_at = Some(now_millis());
-        let stored =
-            if queued.waited { self.store.update_turn(&turn).await } else { self.store.insert_turn(&turn).await };
+        let stored = if queued.waited {
+            // The queued row may not be written yet if the turn ahead ended
+            // within moments of this one being queued.
+            match self.store.update_turn(&turn).await {
+                Err(StoreError::NotFound) => self.store.insert_turn(&turn).await,
+                other => other,
+            }
+        } else {
+            self.store.insert_turn(&turn).await
+        };
         if let Err(error) = stored {
             return Err(match error {
                 StoreError::Conflict(_) => self.running_elsewhere(&conversation.id).await,

@@ -187,6 +187,10 @@ decoders! {
             created_at: get(row, "created_at")?,
             started_at: get(row, "started_at")?,
             finished_at: get(row, "finished_at")?,
+            pending_messages: {
+                let text: String = get(row, "pending_messages")?;
+                serde_json::from_str(&text).map_err(|_| corrupt("pending_messages", &text))?
+            },
         })
     }
 
@@ -298,4 +302,9 @@ pub(crate) fn number_events(conversation_id: &str, last: i64, events: &[Event]) 
         .zip(last + 1..)
         .map(|(event, seq)| Event { seq, conversation_id: conversation_id.clone(), ..event.clone() })
         .collect()
+}
+
+/// A turn's pending messages as stored.
+pub(crate) fn pending_json(turn: &crate::Turn) -> String {
+    serde_json::to_string(&turn.pending_messages).unwrap_or_else(|_| "[]".to_string())
 }

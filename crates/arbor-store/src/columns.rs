@@ -31,7 +31,7 @@ macro_rules! turn_columns {
         "id, conversation_id, user_id, user_message_id, status, model, iterations, \
          input_tokens, output_tokens, thinking_tokens, cached_tokens, cache_write_tokens, \
          cost_micro_usd, reply_message_id, error_code, error_message, created_at, started_at, \
-         finished_at"
+         finished_at, pending_messages"
     };
 }
 

@@ -24,7 +24,10 @@ use crate::*;
 
 /// The schema, embedded in the binary. Versions are the file name
 /// prefixes; a landed file is never edited.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../migrations/postgres/0001_initial.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../migrations/postgres/0001_initial.sql")),
+    (2, "turn pending messages", include_str!("../migrations/postgres/0002_turn_pending_messages.sql")),
+];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
 /// all, so a handful of nodes at this size leave room for admin sessions.
@@ -667,7 +670,7 @@ impl Store for PostgresStore {
             "INSERT INTO turns (",
             turn_columns!(),
             ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
-             $17, $18, $19)"
+             $17, $18, $19, $20)"
         ))
         .bind(&turn.id)
         .bind(&turn.conversation_id)
@@ -688,6 +691,7 @@ impl Store for PostgresStore {
         .bind(turn.created_at)
         .bind(turn.started_at)
         .bind(turn.finished_at)
+        .bind(codec::pending_json(turn))
         .execute(&self.pool)
         .await
         .map_err(codec::running_turn_conflict)?;
@@ -699,8 +703,8 @@ impl Store for PostgresStore {
             "UPDATE turns SET status = $1, model = $2, iterations = $3, input_tokens = $4, \
              output_tokens = $5, thinking_tokens = $6, cached_tokens = $7, \
              cache_write_tokens = $8, cost_micro_usd = $9, reply_message_id = $10, \
-             error_code = $11, error_message = $12, started_at = $13, finished_at = $14 \
-             WHERE conversation_id = $15 AND id = $16",
+             error_code = $11, error_message = $12, started_at = $13, finished_at = $14, \
+             pending_messages = $15 WHERE conversation_id = $16 AND id = $17",
         )
         .bind(turn.status.as_str())
         .bind(&turn.model)
@@ -716,6 +720,7 @@ impl Store for PostgresStore {
         .bind(&turn.error_message)
         .bind(turn.started_at)
         .bind(turn.finished_at)
+        .bind(codec::pending_json(turn))
         .bind(&turn.conversation_id)
         .bind(&turn.id)
         .execute(&self.pool)

@@ -118,6 +118,10 @@ pub struct Turn {
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
+    /// A queued turn's messages, durable until the turn starts and records
+    /// them in the tree (empty otherwise).
+    #[serde(default)]
+    pub pending_messages: Vec<arbor_core::Node>,
 }
 
 /// One provider call (chat or summary).

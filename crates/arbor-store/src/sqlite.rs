@@ -34,7 +34,10 @@ const NOTICE_BUFFER: usize = 1024;
 
 /// The schema, embedded in the binary so `arbor serve` needs no files beside
 /// it. Versions are the file name prefixes; a landed file is never edited.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../migrations/sqlite/0001_initial.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../migrations/sqlite/0001_initial.sql")),
+    (2, "turn pending messages", include_str!("../migrations/sqlite/0002_turn_pending_messages.sql")),
+];
 
 /// Where a `sqlite:` URL points.
 #[derive(Debug, PartialEq, Eq)]
@@ -559,7 +562,7 @@ impl Store for SqliteStore {
         sqlx::query(concat!(
             "INSERT INTO turns (",
             turn_columns!(),
-            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         ))
         .bind(&turn.id)
         .bind(&turn.conversation_id)
@@ -580,6 +583,7 @@ impl Store for SqliteStore {
         .bind(turn.created_at)
         .bind(turn.started_at)
         .bind(turn.finished_at)
+        .bind(codec::pending_json(turn))
         .execute(&self.writer)
         .await
         .map_err(codec::running_turn_conflict)?;
@@ -591,7 +595,7 @@ impl Store for SqliteStore {
             "UPDATE turns SET status = ?, model = ?, iterations = ?, input_tokens = ?, \
              output_tokens = ?, thinking_tokens = ?, cached_tokens = ?, cache_write_tokens = ?, \
              cost_micro_usd = ?, reply_message_id = ?, error_code = ?, error_message = ?, \
-             started_at = ?, finished_at = ? WHERE conversation_id = ? AND id = ?",
+             started_at = ?, finished_at = ?, pending_messages = ? WHERE conversation_id = ? AND id = ?",
         )
         .bind(turn.status.as_str())
         .bind(&turn.model)
@@ -607,6 +611,7 @@ impl Store for SqliteStore {
         .bind(&turn.error_message)
         .bind(turn.started_at)
         .bind(turn.finished_at)
+        .bind(codec::pending_json(turn))
         .bind(&turn.conversation_id)
         .bind(&turn.id)
         .execute(&self.writer)

@@ -195,6 +195,7 @@ stories!(
     story_events_replay_in_order,
     story_events_numbered_by_the_store,
     story_a_large_tree_loads_whole,
+    story_queued_turns_keep_their_messages,
 );
 
 // --------------------------------------------------------------- fixtures
@@ -251,6 +252,7 @@ fn turn(conversation: &str, id: &str, status: TurnStatus, created_at: i64) -> Tu
         created_at,
         started_at: None,
         finished_at: None,
+        pending_messages: Vec::new(),
     }
 }
 
@@ -1123,4 +1125,26 @@ async fn story_numbered_events_have_no_gaps(node_a: Arc<dyn Store>, node_b: Arc<
     }
     reader.await.expect("reader");
     assert_eq!(node_a.last_event_seq("c1").await.expect("seq"), total);
+}
+
+/// A queued turn's messages are durable in its row until it starts, and
+/// come back exactly, by status as crash recovery reads them.
+async fn story_queued_turns_keep_their_messages(store: Arc<dyn Store>) {
+    alice_with_conversation(store.as_ref(), None).await;
+    let mut queued = turn("c1", "t1", TurnStatus::Queued, 5_000);
+    queued.pending_messages =
+        vec![node("c1", "q1", None, rich_assistant()), node("c1", "q2", Some("q1"), Message::user("later"))];
+    store.insert_turn(&queued).await.expect("queued turn stored");
+    let read = store.turn("c1", "t1").await.expect("read").expect("turn");
+    assert_eq!(read.pending_messages, queued.pending_messages);
+    let waiting = store.turns_with_status(&[TurnStatus::Queued]).await.expect("by status");
+    assert_eq!(waiting.len(), 1);
+    assert_eq!(waiting[0].pending_messages, queued.pending_messages);
+
+    // Once started, the messages live in the tree and the row lets go of them.
+    queued.status = TurnStatus::Running;
+    queued.pending_messages.clear();
+    store.update_turn(&queued).await.expect("started");
+    let read = store.turn("c1", "t1").await.expect("read").expect("turn");
+    assert!(read.pending_messages.is_empty());
 }

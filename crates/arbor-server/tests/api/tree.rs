@@ -364,11 +364,37 @@ async fn turns_left_running_by_a_crash_are_marked_interrupted_on_restart() {
     turn.status = arbor_store::TurnStatus::Running;
     turn.finished_at = None;
     app.engine.store().insert_turn(&turn).await.expect("insert");
+    // …and a queued turn whose message was only in its row.
+    let mut queued = turn.clone();
+    queued.id = arbor_core::ids::new_id();
+    queued.status = arbor_store::TurnStatus::Queued;
+    queued.created_at += 1;
+    queued.pending_messages = vec![arbor_core::Node {
+        id: "waiting".into(),
+        conversation_id: conversation.clone(),
+        parent_id: None,
+        message: arbor_core::Message::user("sent while the other turn ran"),
+        model: None,
+        provider: None,
+        turn_id: Some(queued.id.clone()),
+        copied_from: None,
+        status: Default::default(),
+        created_at: arbor_core::ids::now_millis(),
+    }];
+    app.engine.store().insert_turn(&queued).await.expect("insert");
     let data_dir = app.stop().await;
 
     let restarted = arbor_testkit::restart_app(data_dir, "").await;
     let recovered = restarted.engine.store().turn(&conversation, &turn.id).await.expect("read").expect("turn");
     assert_eq!(recovered.status.as_str(), "interrupted");
+    let recovered_queue = restarted.engine.store().turn(&conversation, &queued.id).await.expect("read").expect("turn");
+    assert_eq!(recovered_queue.status.as_str(), "interrupted");
+    let waiting = restarted.engine.store().message(&conversation, "waiting").await.expect("read");
+    assert_eq!(
+        waiting.map(|node| node.message.content),
+        Some(Some("sent while the other turn ran".to_string())),
+        "the queued message is in the tree, not lost"
+    );
     // Viewers that resume are told, and the conversation works again.
     let user = restarted.engine.store().user_by_name("admin").await.expect("read").expect("admin");
     let mut stream =
