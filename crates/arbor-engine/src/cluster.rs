@@ -166,6 +166,19 @@ async fn sweep(engine: Engine) {
                 Err(error) => tracing::warn!(%error, "taking over a turn failed"),
             }
         }
+        // Queued turns left by a node that died (they would have run long
+        // ago): their messages go into the tree, the turns are closed.
+        let abandoned_before = now - 10 * engine.inner.config.limits.turn_timeout.as_millis() as i64;
+        match engine.inner.store.turns_with_status(&[arbor_store::TurnStatus::Queued]).await {
+            Ok(queued) => {
+                for turn in queued.into_iter().filter(|turn| turn.created_at < abandoned_before) {
+                    if let Err(error) = interrupt(&engine, turn).await {
+                        tracing::warn!(%error, "closing an abandoned queued turn failed");
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(%error, "looking for abandoned queued turns failed"),
+        }
         if let Err(error) = engine.inner.store.release_expired_reservations(now).await {
             tracing::warn!(%error, "releasing expired credit reservations failed");
         }
@@ -176,6 +189,7 @@ async fn sweep(engine: Engine) {
 /// kept as an interrupted reply, viewers are told, and its slot is freed.
 pub(crate) async fn interrupt(engine: &Engine, mut turn: Turn) -> EngineResult<()> {
     tracing::warn!(turn_id = %turn.id, conversation_id = %turn.conversation_id, "recording a turn whose process stopped as interrupted");
+    record_pending_messages(engine, &mut turn).await?;
     let reply = engine.salvage_partial_reply(&turn).await?;
     turn.status = arbor_store::TurnStatus::Interrupted;
     turn.error_code = Some("interrupted".into());
@@ -193,6 +207,31 @@ pub(crate) async fn interrupt(engine: &Engine, mut turn: Turn) -> EngineResult<(
     if engine.inner.config.shared {
         let notice = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
         let _ = engine.inner.store.notify(&notice).await;
+    }
+    Ok(())
+}
+
+/// A queued turn's messages were only in its row: records them in the tree,
+/// under the head, so nothing the user sent is lost.
+async fn record_pending_messages(engine: &Engine, turn: &mut Turn) -> EngineResult<()> {
+    if turn.pending_messages.is_empty() {
+        return Ok(());
+    }
+    let Some(conversation) = engine.inner.store.conversation(&turn.user_id, &turn.conversation_id).await? else {
+        return Ok(());
+    };
+    let mut parent = conversation.head_id.clone();
+    let nodes: Vec<arbor_core::Node> = std::mem::take(&mut turn.pending_messages)
+        .into_iter()
+        .map(|node| {
+            let chained = arbor_core::Node { parent_id: parent.clone(), ..node };
+            parent = Some(chained.id.clone());
+            chained
+        })
+        .collect();
+    engine.inner.store.append_messages(&nodes, now_millis()).await?;
+    if let Some(last) = nodes.last() {
+        turn.user_message_id = last.id.clone();
     }
     Ok(())
 }

@@ -446,26 +446,7 @@ impl Engine {
     /// takes over turns whose lease expired instead.
     async fn recover_interrupted_turns(&self) -> EngineResult<()> {
         let stale = self.inner.store.turns_with_status(&[TurnStatus::Running, TurnStatus::Queued]).await?;
-        for mut turn in stale {
-            // A queued turn's messages were only in its row: record them in
-            // the tree, under the head, so nothing the user sent is lost.
-            if !turn.pending_messages.is_empty()
-                && let Some(conversation) = self.inner.store.conversation(&turn.user_id, &turn.conversation_id).await?
-            {
-                let mut parent = conversation.head_id.clone();
-                let nodes: Vec<Node> = std::mem::take(&mut turn.pending_messages)
-                    .into_iter()
-                    .map(|node| {
-                        let chained = Node { parent_id: parent.clone(), ..node };
-                        parent = Some(chained.id.clone());
-                        chained
-                    })
-                    .collect();
-                self.inner.store.append_messages(&nodes, now_millis()).await?;
-                if let Some(last) = nodes.last() {
-                    turn.user_message_id = last.id.clone();
-                }
-            }
+        for turn in stale {
             cluster::interrupt(self, turn).await?;
         }
         self.inner.writer.flush().await;
