@@ -14,15 +14,16 @@
 //! [`response_chunks`] and [`error_from_response`] are public so that the
 //! fixture tests and mock servers can drive each half on its own.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt, stream};
+use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::decode::{self, Decode, Decoded};
 use crate::http::{ErrorResponse, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
@@ -763,39 +764,20 @@ pub fn decode_events<S>(events: S) -> ChunkStream
 where
     S: Stream<Item = Result<SseEvent, ProviderError>> + Send + 'static,
 {
-    struct State<S> {
-        events: std::pin::Pin<Box<S>>,
-        decoder: Option<StreamDecoder>,
-        ready: VecDeque<Result<Chunk, ProviderError>>,
+    Box::pin(decode::drive(events, StreamDecoder::new()))
+}
+
+impl Decode for StreamDecoder {
+    type Piece = SseEvent;
+    type Item = Chunk;
+
+    fn feed(&mut self, event: SseEvent) -> Decoded<Chunk> {
+        decode::items(self.push(&event.data))
     }
-    let state = State { events: Box::pin(events), decoder: Some(StreamDecoder::new()), ready: VecDeque::new() };
-    Box::pin(stream::unfold(state, |mut state| async move {
-        loop {
-            if let Some(item) = state.ready.pop_front() {
-                if item.is_err() {
-                    // Nothing after an error may pass for more of the reply.
-                    state.decoder = None;
-                    state.ready.clear();
-                }
-                return Some((item, state));
-            }
-            let decoder = state.decoder.as_mut()?;
-            match state.events.next().await {
-                Some(Ok(event)) => match decoder.push(&event.data) {
-                    Ok(chunks) => state.ready.extend(chunks.into_iter().map(Ok)),
-                    Err(error) => state.ready.push_back(Err(error)),
-                },
-                Some(Err(error)) => state.ready.push_back(Err(error)),
-                None => {
-                    let decoder = state.decoder.take()?;
-                    match decoder.finish() {
-                        Ok(chunks) => state.ready.extend(chunks.into_iter().map(Ok)),
-                        Err(error) => state.ready.push_back(Err(error)),
-                    }
-                }
-            }
-        }
-    }))
+
+    fn end(self) -> Decoded<Chunk> {
+        decode::items(self.finish())
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -16,16 +16,17 @@
 //! [`error_from_response`] are public so that fixture tests and mock servers
 //! can drive each half on its own.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt, stream};
+use futures_util::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
+use crate::decode::{self, Decode, Decoded};
 use crate::http::{ErrorResponse, HttpTimeouts};
 use crate::sse::{BodyError, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
@@ -1135,7 +1136,7 @@ where
     E: BodyError + Send + 'static,
 {
     let responses = sse_events(body).map(|event| event.map(|event| event.data));
-    decode_responses(responses)
+    Box::pin(decode::drive(responses, StreamDecoder::new()))
 }
 
 /// Decodes the other form of `streamGenerateContent` (without `alt=sse`):
@@ -1145,80 +1146,24 @@ where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
     E: BodyError + Send + 'static,
 {
-    let splitter = JsonArraySplitter::default();
-    let elements = stream::unfold(
-        (Box::pin(body), splitter, VecDeque::new(), false),
-        |(mut body, mut splitter, mut ready, mut done)| async move {
-            loop {
-                if let Some(item) = ready.pop_front() {
-                    return Some((item, (body, splitter, ready, done)));
-                }
-                if done {
-                    return None;
-                }
-                match body.next().await {
-                    Some(Ok(bytes)) => match splitter.push(&bytes) {
-                        Ok(elements) => ready.extend(elements.into_iter().map(Ok)),
-                        Err(error) => {
-                            ready.push_back(Err(error));
-                            done = true;
-                        }
-                    },
-                    Some(Err(error)) => {
-                        ready.push_back(Err(error.into_provider_error()));
-                        done = true;
-                    }
-                    None => {
-                        if let Err(error) = splitter.finish() {
-                            ready.push_back(Err(error));
-                        }
-                        done = true;
-                    }
-                }
-            }
-        },
-    );
-    decode_responses(elements)
+    let bytes = body.map(|item| item.map_err(BodyError::into_provider_error));
+    let elements = decode::drive(bytes, JsonArraySplitter::default());
+    Box::pin(decode::drive(elements, StreamDecoder::new()))
 }
 
-/// Response texts in, chunks out: the decoder's loop shared by both forms.
-fn decode_responses<S>(responses: S) -> ChunkStream
-where
-    S: Stream<Item = Result<String, ProviderError>> + Send + 'static,
-{
-    struct State<S> {
-        responses: std::pin::Pin<Box<S>>,
-        decoder: Option<StreamDecoder>,
-        ready: VecDeque<Result<Chunk, ProviderError>>,
+/// Response texts in, chunks out: the same decoder for both forms of a
+/// streamed body.
+impl Decode for StreamDecoder {
+    type Piece = String;
+    type Item = Chunk;
+
+    fn feed(&mut self, text: String) -> Decoded<Chunk> {
+        decode::items(self.push(&text))
     }
-    let state = State { responses: Box::pin(responses), decoder: Some(StreamDecoder::new()), ready: VecDeque::new() };
-    Box::pin(stream::unfold(state, |mut state| async move {
-        loop {
-            if let Some(item) = state.ready.pop_front() {
-                if item.is_err() {
-                    // Nothing after an error may pass for more of the reply.
-                    state.decoder = None;
-                    state.ready.clear();
-                }
-                return Some((item, state));
-            }
-            let decoder = state.decoder.as_mut()?;
-            match state.responses.next().await {
-                Some(Ok(text)) => match decoder.push(&text) {
-                    Ok(chunks) => state.ready.extend(chunks.into_iter().map(Ok)),
-                    Err(error) => state.ready.push_back(Err(error)),
-                },
-                Some(Err(error)) => state.ready.push_back(Err(error)),
-                None => {
-                    let decoder = state.decoder.take()?;
-                    match decoder.finish() {
-                        Ok(chunks) => state.ready.extend(chunks.into_iter().map(Ok)),
-                        Err(error) => state.ready.push_back(Err(error)),
-                    }
-                }
-            }
-        }
-    }))
+
+    fn end(self) -> Decoded<Chunk> {
+        decode::items(self.finish())
+    }
 }
 
 /// Finds the elements of a top-level JSON array as its bytes arrive. Only
@@ -1314,6 +1259,20 @@ impl JsonArraySplitter {
 
     fn malformed(&self) -> ProviderError {
         ProviderError::new(ErrorCode::StreamInterrupted, "the provider's JSON stream is not a JSON array of responses")
+    }
+}
+
+/// Bytes in, element texts out: the framing step before [`StreamDecoder`].
+impl Decode for JsonArraySplitter {
+    type Piece = Bytes;
+    type Item = String;
+
+    fn feed(&mut self, bytes: Bytes) -> Decoded<String> {
+        decode::items(self.push(&bytes))
+    }
+
+    fn end(self) -> Decoded<String> {
+        decode::items(self.finish().map(|()| Vec::new()))
     }
 }
 

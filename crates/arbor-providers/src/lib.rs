@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod collect;
+mod decode;
 pub mod demo;
 pub mod gemini;
 pub mod http;

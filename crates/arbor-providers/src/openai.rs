@@ -10,17 +10,17 @@
 //! usage that leaves hidden reasoning out of `completion_tokens`, an error
 //! object inside a 200 stream. The wire types are private to this file.
 
-use std::collections::VecDeque;
 use std::fmt;
 
 use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolCall, Usage};
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt, stream};
+use futures_util::{Stream, stream};
 use reqwest::header::{ACCEPT, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider, ToolSpec};
@@ -788,44 +788,7 @@ where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
     E: BodyError + Send + 'static,
 {
-    let state = StreamState {
-        events: Box::pin(sse_events(body)),
-        decoder: StreamDecoder::default(),
-        pending: VecDeque::new(),
-        ended: false,
-    };
-    Box::pin(stream::unfold(state, |mut state| async move {
-        loop {
-            if let Some(item) = state.pending.pop_front() {
-                return Some((item, state));
-            }
-            if state.ended {
-                return None;
-            }
-            match state.events.next().await {
-                Some(Ok(event)) => {
-                    state.ended = state.decoder.on_event(&event, &mut state.pending);
-                }
-                Some(Err(error)) => {
-                    state.pending.push_back(Err(error));
-                    state.ended = true;
-                }
-                None => {
-                    state.decoder.on_end(&mut state.pending);
-                    state.ended = true;
-                }
-            }
-        }
-    }))
-}
-
-type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<SseEvent, ProviderError>> + Send>>;
-
-struct StreamState {
-    events: EventStream,
-    decoder: StreamDecoder,
-    pending: VecDeque<Result<Chunk, ProviderError>>,
-    ended: bool,
+    Box::pin(decode::drive(sse_events(body), StreamDecoder::default()))
 }
 
 #[derive(Default)]
@@ -834,38 +797,41 @@ struct StreamDecoder {
     /// Choice 0 said why it stopped: the reply is complete even if the
     /// connection then drops before `[DONE]`.
     finished: bool,
+    /// `[DONE]` arrived: the reply is over, whatever the connection does
+    /// next, so the rest of the body is not waited for.
+    done: bool,
 }
 
-impl StreamDecoder {
-    /// Applies one event; returns whether the stream is over.
-    fn on_event(&mut self, event: &SseEvent, out: &mut VecDeque<Result<Chunk, ProviderError>>) -> bool {
+impl Decode for StreamDecoder {
+    type Piece = SseEvent;
+    type Item = Chunk;
+
+    fn feed(&mut self, event: SseEvent) -> Decoded<Chunk> {
         let data = event.data.trim();
         if event.event == "error" {
-            out.push_back(Err(stream_error(data)));
-            return true;
+            return vec![Err(stream_error(data))];
         }
         if data == "[DONE]" {
             // `[DONE]` without a finish reason is still a clean end: the
             // server said the reply is over.
             self.finished = true;
-            self.on_end(out);
-            return true;
+            self.done = true;
+            return self.close();
         }
         let chunk: WireChunk = match serde_json::from_str(data) {
             Ok(chunk) => chunk,
             Err(error) => {
-                out.push_back(Err(ProviderError::new(
+                return vec![Err(ProviderError::new(
                     ErrorCode::StreamInterrupted,
                     format!("the provider sent an unreadable stream chunk ({error}): {data:.200}"),
-                )));
-                return true;
+                ))];
             }
         };
         if let Some(error) = chunk.error {
-            out.push_back(Err(error_from_body(None, &error)));
-            return true;
+            return vec![Err(error_from_body(None, &error))];
         }
-        let mut emit = |chunk: Chunk| out.push_back(Ok(chunk));
+        let mut out = Vec::new();
+        let mut emit = |chunk: Chunk| out.push(Ok(chunk));
         // With n > 1 the other choices are alternatives nobody asked
         // Arbor for; only the first becomes the reply.
         for choice in chunk.choices {
@@ -884,19 +850,31 @@ impl StreamDecoder {
         if let Some(usage) = chunk.usage {
             emit(Chunk::Usage(usage.to_usage()));
         }
-        false
+        out
     }
 
-    /// The body ended (or said `[DONE]`).
-    fn on_end(&mut self, out: &mut VecDeque<Result<Chunk, ProviderError>>) {
-        let mut emit = |chunk: Chunk| out.push_back(Ok(chunk));
-        self.calls.close_all(&mut emit);
+    fn end(mut self) -> Decoded<Chunk> {
+        self.close()
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+}
+
+impl StreamDecoder {
+    /// The body ended (or said `[DONE]`): open tool calls close, and then a
+    /// reply that never said why it stopped ends in an interruption.
+    fn close(&mut self) -> Decoded<Chunk> {
+        let mut out = Vec::new();
+        self.calls.close_all(&mut |chunk| out.push(Ok(chunk)));
         if !self.finished {
-            out.push_back(Err(ProviderError::new(
+            out.push(Err(ProviderError::new(
                 ErrorCode::StreamInterrupted,
                 "the provider's stream ended before the reply was complete",
             )));
         }
+        out
     }
 }
 
@@ -1095,7 +1073,7 @@ mod tests {
     }
 
     fn chunks_of(body: &str) -> Vec<Result<Chunk, ProviderError>> {
-        use futures_util::FutureExt;
+        use futures_util::{FutureExt, StreamExt};
         decode_stream(crate::sse::byte_chunks(body.as_bytes(), &[]))
             .collect::<Vec<_>>()
             .now_or_never()
@@ -1286,6 +1264,34 @@ mod tests {
         let body = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"}}]}\n\ndata: [DONE]\n\n";
         let items = chunks_of(body);
         assert_eq!(items, vec![Ok(Chunk::Text("ok".into()))]);
+    }
+
+    #[test]
+    fn done_ends_the_stream_without_waiting_for_the_connection_to_close() {
+        use futures_util::{FutureExt, StreamExt};
+        let body = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"}}]}\n\ndata: [DONE]\n\n";
+        let open_connection = crate::sse::byte_chunks(body.as_bytes(), &[]).chain(stream::pending());
+        let items = decode_stream(open_connection).collect::<Vec<_>>().now_or_never().expect("ends at [DONE]");
+        assert_eq!(items, vec![Ok(Chunk::Text("ok".into()))]);
+    }
+
+    #[test]
+    fn a_tool_call_cut_off_is_closed_before_the_interruption() {
+        let body = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",",
+            "\"type\":\"function\",\"function\":{\"name\":\"lookup\",\"arguments\":\"{\\\"q\\\"\"}}]}}]}\n\n",
+        );
+        let items = chunks_of(body);
+        assert_eq!(
+            items[..3],
+            [
+                Ok(Chunk::ToolCallStart { index: 0, id: "call_1".into(), name: "lookup".into() }),
+                Ok(Chunk::ToolCallArguments { index: 0, fragment: "{\"q\"".into() }),
+                Ok(Chunk::ToolCallEnd { index: 0, signature: None }),
+            ]
+        );
+        assert_eq!(items.len(), 4);
+        assert_eq!(items[3].as_ref().map_err(|error| error.code), Err(ErrorCode::StreamInterrupted));
     }
 
     #[test]

@@ -4,95 +4,34 @@
 //! tool loop with thinking whose second request carries the first reply's
 //! signed thinking block unchanged, and the mapping of 529 and 429 answers.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+mod common;
+
 use std::time::Duration;
 
 use arbor_core::{ErrorCode, Message, Part, ToolStatus};
 use arbor_providers::anthropic::{AnthropicConfig, AnthropicProvider};
 use arbor_providers::http::HttpTimeouts;
 use arbor_providers::{ChatRequest, FinishReason, Provider, Reasoning, ToolSpec, collect_stream};
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, StatusCode, Uri};
-use axum::response::Response;
+use common::{Mock, Reply, read, serve, within};
 use futures_util::StreamExt;
-use serde_json::{Value, json};
+use serde_json::json;
 
 const RECORDED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers/anthropic");
 const WRITTEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/anthropic");
 
-fn read(dir: &str, name: &str) -> Vec<u8> {
-    std::fs::read(format!("{dir}/{name}")).expect("fixture exists")
-}
-
-/// One scripted answer.
-struct Reply {
-    status: u16,
-    headers: Vec<(&'static str, String)>,
-    body: Vec<u8>,
-}
-
+/// The content types Anthropic answers with.
 impl Reply {
     fn sse(body: Vec<u8>) -> Reply {
-        Reply { status: 200, headers: vec![("content-type", "text/event-stream; charset=utf-8".into())], body }
+        Reply::new(200, "text/event-stream; charset=utf-8", body)
     }
 
     fn json(status: u16, body: Vec<u8>) -> Reply {
-        Reply { status, headers: vec![("content-type", "application/json".into())], body }
+        Reply::new(status, "application/json", body)
     }
-}
-
-/// What the server received.
-struct Received {
-    uri: Uri,
-    headers: HeaderMap,
-    body: Value,
-}
-
-#[derive(Clone, Default)]
-struct Mock {
-    replies: Arc<Mutex<VecDeque<Reply>>>,
-    received: Arc<Mutex<Vec<Received>>>,
-}
-
-async fn answer(
-    axum::extract::State(mock): axum::extract::State<Mock>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    mock.received.lock().expect("lock").push(Received {
-        uri,
-        headers,
-        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
-    });
-    let reply = mock.replies.lock().expect("lock").pop_front();
-    let Some(reply) = reply else {
-        return Response::builder()
-            .status(StatusCode::INTERNAL_SERVER_ERROR)
-            .body(Body::from("no scripted reply left"))
-            .expect("response");
-    };
-    // Send the body in several pieces, as a network would, so that the
-    // client really decodes a stream.
-    let pieces: Vec<Result<Bytes, std::io::Error>> =
-        reply.body.chunks(reply.body.len().div_ceil(7).max(1)).map(|piece| Ok(Bytes::copy_from_slice(piece))).collect();
-    let mut response = Response::builder().status(reply.status);
-    for (name, value) in reply.headers {
-        response = response.header(name, value);
-    }
-    response.body(Body::from_stream(futures_util::stream::iter(pieces))).expect("response")
 }
 
 async fn start(replies: Vec<Reply>) -> (Mock, AnthropicProvider) {
-    let mock = Mock::default();
-    mock.replies.lock().expect("lock").extend(replies);
-    let router = axum::Router::new().fallback(answer).with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = listener.local_addr().expect("address");
-    tokio::spawn(async move {
-        axum::serve(listener, router).await.expect("serve");
-    });
+    let (mock, address) = serve(replies, 7).await;
     let provider = AnthropicProvider::new(AnthropicConfig {
         base_url: format!("http://{address}/"),
         api_key: Some("sk-ant-test".into()),
@@ -101,11 +40,6 @@ async fn start(replies: Vec<Reply>) -> (Mock, AnthropicProvider) {
     })
     .expect("provider");
     (mock, provider)
-}
-
-/// Every case must end on its own; a hang is a failure, not a stuck CI.
-async fn within<T>(future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(20), future).await.expect("finished within its deadline")
 }
 
 #[tokio::test]

@@ -5,91 +5,33 @@
 //! two-round tool loop whose second request carries the first reply's
 //! `thoughtSignature` unchanged, and the mapping of 503 and 429 answers.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+mod common;
+
 use std::time::Duration;
 
 use arbor_core::{ErrorCode, Message, ToolStatus};
 use arbor_providers::gemini::{GeminiConfig, GeminiProvider};
 use arbor_providers::http::HttpTimeouts;
 use arbor_providers::{ChatRequest, FinishReason, Provider, ToolSpec, collect_stream};
-use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, StatusCode, Uri};
-use axum::response::Response;
-use serde_json::{Value, json};
+use common::{Mock, Reply, read, serve, within};
+use serde_json::json;
 
 const RECORDED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers/gemini");
 const WRITTEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemini");
 
-fn read(dir: &str, name: &str) -> Vec<u8> {
-    std::fs::read(format!("{dir}/{name}")).expect("fixture exists")
-}
-
-struct Reply {
-    status: u16,
-    content_type: &'static str,
-    body: Vec<u8>,
-}
-
+/// The content types Gemini answers with.
 impl Reply {
     fn sse(body: Vec<u8>) -> Reply {
-        Reply { status: 200, content_type: "text/event-stream", body }
+        Reply::new(200, "text/event-stream", body)
     }
 
     fn json(status: u16, body: Vec<u8>) -> Reply {
-        Reply { status, content_type: "application/json; charset=UTF-8", body }
+        Reply::new(status, "application/json; charset=UTF-8", body)
     }
 }
 
-struct Received {
-    uri: Uri,
-    headers: HeaderMap,
-    body: Value,
-}
-
-#[derive(Clone, Default)]
-struct Mock {
-    replies: Arc<Mutex<VecDeque<Reply>>>,
-    received: Arc<Mutex<Vec<Received>>>,
-}
-
-async fn answer(
-    axum::extract::State(mock): axum::extract::State<Mock>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    mock.received.lock().expect("lock").push(Received {
-        uri,
-        headers,
-        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
-    });
-    let reply = mock.replies.lock().expect("lock").pop_front();
-    let Some(reply) = reply else {
-        return Response::builder()
-            .status(StatusCode::INTERNAL_SERVER_ERROR)
-            .body(Body::from("no scripted reply left"))
-            .expect("response");
-    };
-    // Several pieces, as a network would deliver them.
-    let pieces: Vec<Result<Bytes, std::io::Error>> =
-        reply.body.chunks(reply.body.len().div_ceil(5).max(1)).map(|piece| Ok(Bytes::copy_from_slice(piece))).collect();
-    Response::builder()
-        .status(reply.status)
-        .header("content-type", reply.content_type)
-        .body(Body::from_stream(futures_util::stream::iter(pieces)))
-        .expect("response")
-}
-
 async fn start(replies: Vec<Reply>) -> (Mock, GeminiProvider) {
-    let mock = Mock::default();
-    mock.replies.lock().expect("lock").extend(replies);
-    let router = axum::Router::new().fallback(answer).with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = listener.local_addr().expect("address");
-    tokio::spawn(async move {
-        axum::serve(listener, router).await.expect("serve");
-    });
+    let (mock, address) = serve(replies, 5).await;
     let provider = GeminiProvider::new(GeminiConfig {
         base_url: format!("http://{address}/v1beta"),
         api_key: Some("AIza-test".into()),
@@ -97,10 +39,6 @@ async fn start(replies: Vec<Reply>) -> (Mock, GeminiProvider) {
     })
     .expect("provider");
     (mock, provider)
-}
-
-async fn within<T>(future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(20), future).await.expect("finished within its deadline")
 }
 
 fn ask(model: &str, text: &str) -> ChatRequest {
