@@ -23,7 +23,8 @@ const VIEWER_BUFFER: usize = 256;
 pub enum Until {
     /// Follow the conversation until the viewer goes away.
     Forever,
-    /// End after the `done` or `error` of this turn.
+    /// Only this turn's events (and turn-less ones, like head moves), ending
+    /// after its `done` or `error`.
     TurnEnds(Arc<str>),
 }
 
@@ -130,6 +131,14 @@ impl Follower {
             return Ok(());
         }
         self.last = event.seq;
+        // A turn's own stream carries that turn's events (and turn-less ones
+        // such as head moves), never another turn's: a queued turn's viewer
+        // must not mistake the running turn's deltas for its own answer.
+        if let Until::TurnEnds(turn_id) = &self.until
+            && event.turn_id.as_deref().is_some_and(|owner| owner != &**turn_id)
+        {
+            return Ok(());
+        }
         let ends = match &self.until {
             Until::TurnEnds(turn_id) => event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id),
             Until::Forever => false,

@@ -308,6 +308,11 @@ async fn a_submit_while_a_turn_runs_is_409_unless_queued_and_cancel_removes_a_qu
     assert_eq!(cancel.status, 202, "{:?}", cancel.body);
     let rest = queued.until("error", DEADLINE).await;
     assert_eq!(rest.last().expect("error").data["code"], "cancelled");
+    assert!(
+        rest.iter().all(|event| event.event != "delta" && event.event != "trace_start"),
+        "a queued turn's stream never carries the running turn's answer: {:?}",
+        rest.iter().map(|event| event.event.as_str()).collect::<Vec<_>>()
+    );
     first.outcome().await.expect("first ends");
     let tree = messages(&app.get(&key, &format!("/v1/conversations/{conversation}")).await.body);
     assert!(tree.iter().any(|node| node["id"] == "later"), "a cancelled queued message is still recorded");
