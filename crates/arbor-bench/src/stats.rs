@@ -149,7 +149,8 @@ mod tests {
     #[test]
     fn bucket_quantiles_interpolate_inside_the_bucket_of_the_rank() {
         let text = "x_bucket{le=\"0.0001\"} 10\nx_bucket{le=\"0.001\"} 110\nx_bucket{le=\"+Inf\"} 110\nx_count 110\n";
-        let before = parse_buckets("x_bucket{le=\"0.0001\"} 10\nx_bucket{le=\"0.001\"} 10\n", "x");
+        let before =
+            parse_buckets("x_bucket{le=\"0.0001\"} 10\nx_bucket{le=\"0.001\"} 10\nx_bucket{le=\"+Inf\"} 10\n", "x");
         let after = parse_buckets(text, "x");
         assert_eq!(after.len(), 3);
         // 100 new observations, all in (100 µs, 1 ms]: the median sits halfway.
