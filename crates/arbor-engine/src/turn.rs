@@ -522,6 +522,22 @@ impl TurnTask {
     }
 }
 
+/// Payload of `delta` (no id) and of a thinking card's `trace_delta`.
+/// Borrowed, typed payloads keep the per-chunk work to one serialization.
+#[derive(serde::Serialize)]
+struct TextDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    text: &'a str,
+}
+
+/// Payload of a tool call card's `trace_delta`.
+#[derive(serde::Serialize)]
+struct ArgumentsDelta<'a> {
+    id: &'a str,
+    arguments: &'a str,
+}
+
 /// Turns chunks into trace and delta events, opening and closing trace cards
 /// as the reply moves between thinking, tool calls and text.
 #[derive(Default)]
@@ -537,7 +553,7 @@ impl ChunkForwarder {
         match chunk {
             Chunk::Text(text) => {
                 self.close_thinking(hub, turn_id);
-                hub.emit(turn, EventName::Delta, &json!({ "text": text }));
+                hub.emit(turn, EventName::Delta, &TextDelta { id: None, text });
             }
             Chunk::Thinking(text) => {
                 let id = match &self.thinking_trace {
@@ -549,7 +565,7 @@ impl ChunkForwarder {
                         id
                     }
                 };
-                hub.emit(turn, EventName::TraceDelta, &json!({"id": id, "text": text}));
+                hub.emit(turn, EventName::TraceDelta, &TextDelta { id: Some(&id), text });
             }
             Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => self.close_thinking(hub, turn_id),
             Chunk::ToolCallStart { index, id, name } => {
@@ -564,7 +580,7 @@ impl ChunkForwarder {
             }
             Chunk::ToolCallArguments { index, fragment } => {
                 if let Some((_, trace)) = self.tool_traces.iter().find(|(open, _)| open == index) {
-                    hub.emit(turn, EventName::TraceDelta, &json!({"id": trace, "arguments": fragment}));
+                    hub.emit(turn, EventName::TraceDelta, &ArgumentsDelta { id: trace, arguments: fragment });
                 }
             }
             Chunk::ToolCallEnd { index, .. } => {
