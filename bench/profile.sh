@@ -68,10 +68,10 @@ profile() { # NAME [arbor-bench args...]
     echo "# instructions in total: $total; per turn: $(( total / (ok > 0 ? ok : 1) ))"
     echo
     echo "## inclusive (top 60)"
-    callgrind_annotate --inclusive=yes --threshold=100 "$dump" 2>/dev/null | sed -n '/^Ir/,$p' | head -n 64
+    callgrind_annotate --inclusive=yes --threshold=100 "$dump" 2>/dev/null | sed -n '/^Ir/,$p' | head -n 64 || true
     echo
     echo "## self (top 60)"
-    callgrind_annotate --threshold=100 "$dump" 2>/dev/null | sed -n '/^Ir/,$p' | head -n 64
+    callgrind_annotate --threshold=100 "$dump" 2>/dev/null | sed -n '/^Ir/,$p' | head -n 64 || true
   } >"$RESULTS/profile-$name.txt"
   cp "$dump" "$WORK/keep-$name.out"
   echo "wrote $RESULTS/profile-$name.txt"

@@ -41,6 +41,7 @@ trees = read_lines("tree.jsonl")
 machine = read_json("machine.json") or {}
 litellm = read_json("litellm.json")
 postgres = read_json("postgres.json")
+saturation = {entry["scenario"]: entry["saturated_at"] for entry in read_lines("saturation.jsonl")}
 
 
 def median(values):
@@ -234,6 +235,10 @@ if at_2000:
       f"knee (100% success and p99 overhead < 1 ms): **{rate_text(knee) if knee else 'none'} turns/s**; "
       f"highest rate with 100% success: {rate_text(knee_success_only) if knee_success_only else 'none'} "
       f"| {'yes' if met else '**no**'} |")
+elif s1_rates:
+    w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | not reached: Arbor saturated at "
+      f"{rate_text(saturation.get('S1', max(s1_rates)))} turns/s (median latency over 20 ms), so higher rates were not run; "
+      f"knee (100% success and p99 overhead < 1 ms): **{rate_text(knee) if knee else 'none'} turns/s** | **no** |")
 stream_rates = rates("S3", "sqlite")
 if stream_rates:
     values = [(rate, overhead(point("S3", rate, "sqlite"), point("S0-stream", rate), "first_delta_us", "p99"))
@@ -248,6 +253,12 @@ if s2_3000:
     met = peak is not None and peak < RSS_GOAL_KIB and s2_3000.all_ok
     w(f"| < 100 MB RSS at 3,000 requests/s (S2, 60 ms mock) | peak {mib(peak)} ({peak * 1024 / 1e6:.0f} MB), "
       f"achieved {achieved:.0f}/s, {success_text(s2_3000)} | {'yes' if met else '**no**'} |")
+elif rates("S2", "sqlite"):
+    top = max(rates("S2", "sqlite"))
+    p = point("S2", top, "sqlite")
+    w(f"| < 100 MB RSS at 3,000 requests/s (S2, 60 ms mock) | not reached: saturated at "
+      f"{rate_text(saturation.get('S2', top))}/s; peak RSS there {mib(p.get('server_peak_rss_kib'))} "
+      f"(median latency {us(p.get('latency_us', 'p50'))}) | **no** |")
 lite_rates = rates("S6")
 if lite_rates:
     ratios = []

@@ -6,7 +6,10 @@
 #                           LiteLLM; fails if any step or any request fails
 #
 # Options: --no-litellm, --no-postgres, --only "S1 S3" (scenarios to run).
-# Environment: ARBOR_CORE / LOAD_CORE (default 0 / 1), PG_URL (default
+# Environment: ARBOR_CORE / LOAD_CORE (default 0 / 1), S1_RATES, S2_RATES,
+# S3_RATES, S6_RATES (space-separated rates), ARBOR_BIN (another arbor
+# binary, for A/B runs), BENCH_OUT (write results and report there instead
+# of bench/), PG_URL (default
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
 # default: bench/.venv or the one on PATH; installed into bench/.venv when
 # missing and BENCH_INSTALL_LITELLM=1).
@@ -47,15 +50,21 @@ cargo build -q --profile "$PROFILE" -p arbor -p arbor-testkit -p arbor-bench
 BIN=$TARGET_DIR/$([[ $PROFILE == dev ]] && echo debug || echo "$PROFILE")
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-bench.XXXXXX")
-if [[ $SMOKE == 1 ]]; then
+ARBOR_BIN=${ARBOR_BIN:-$BIN/arbor}
+if [[ -n "${BENCH_OUT:-}" ]]; then
+  # Somewhere else (an A/B comparison): the committed results stay.
+  RESULTS=$BENCH_OUT
+  REPORT=$BENCH_OUT/REPORT.md
+elif [[ $SMOKE == 1 ]]; then
   RESULTS=$WORK/results
   REPORT=$WORK/REPORT.md
 else
   RESULTS=$ROOT/bench/results
   REPORT=$ROOT/bench/REPORT.md
-  rm -f "$RESULTS"/*.jsonl "$RESULTS"/*.json "$RESULTS"/*.txt
 fi
 mkdir -p "$RESULTS"
+# Results are appended to: start clean (the profile-*.txt files stay).
+rm -f "$RESULTS"/{loads,parity,tree,saturation}.jsonl "$RESULTS"/{machine,litellm,postgres}.json
 LOADS=$RESULTS/loads.jsonl
 echo "work directory: $WORK"
 
@@ -143,7 +152,7 @@ start_arbor() { # NAME DATABASE_URL [PRELOAD]
   mkdir -p "$dir"
   write_config "$url" "$dir/arbor.toml"
   # Arbor's default log level (info: one line per request) goes to a file.
-  LD_PRELOAD=${3:-} taskset -c "$ARBOR_CORE" "$BIN/arbor" serve --data-dir "$dir" --listen "127.0.0.1:$ARBOR_PORT" \
+  LD_PRELOAD=${3:-} taskset -c "$ARBOR_CORE" "$ARBOR_BIN" serve --data-dir "$dir" --listen "127.0.0.1:$ARBOR_PORT" \
     --config "$dir/arbor.toml" >"$dir/stdout" 2>"$dir/stderr" &
   ARBOR_PID=$!
   PIDS+=("$ARBOR_PID")
@@ -191,9 +200,18 @@ load() { # SCENARIO VARIANT TARGET RATE [extra arbor-bench args...]
     --scenario "$scenario" --variant "$variant" --out "$LOADS" "${pid_args[@]}" "${key_args[@]}" "$@"
 }
 
-# The last Arbor point's success ratio, to stop climbing past saturation.
+# The last point's success ratio, to stop climbing past saturation.
 last_success_ratio() {
   tail -n 1 "$LOADS" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["ok"]/max(r["sent"],1))'
+}
+# Whether the last point was saturated: under 90% success, or a median
+# latency above LIMIT_MS (queueing: the server no longer keeps up).
+saturated() { # LIMIT_MS
+  tail -n 1 "$LOADS" | python3 -c '
+import json, sys
+run = json.loads(sys.stdin.read())
+p50 = (run["latency_us"] or {}).get("p50", 0)
+sys.exit(0 if run["ok"] < 0.9 * max(run["sent"], 1) or p50 > float(sys.argv[1]) * 1000 else 1)' "$1"
 }
 
 # Rows per table, for the parity check (same SQL on both backends).
@@ -256,19 +274,19 @@ start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
 if [[ $SMOKE == 1 ]]; then
   S1_RATES="20"; S2_RATES="20"; S3_RATES="20"; S6_RATES=""
 else
-  S1_RATES="10 50 100 500 1000 1500 2000 3000 4000"
-  S2_RATES="1000 2000 3000"
-  S3_RATES="100 500 1000"
-  S6_RATES="10 50 100"
+  S1_RATES=${S1_RATES:-10 50 100 200 300 400 500 700 1000 1500 2000 3000 4000}
+  S2_RATES=${S2_RATES:-500 1000 2000 3000}
+  S3_RATES=${S3_RATES:-100 300 500}
+  S6_RATES=${S6_RATES:-10 50 100}
 fi
 
 if wants S1; then
   for rate in $S1_RATES; do
     load S0 direct direct "$rate"
     load S1 sqlite arbor "$rate"
-    ratio=$(last_success_ratio)
-    if awk -v r="$ratio" 'BEGIN { exit !(r < 0.9) }'; then
-      echo "S1: Arbor answered only $ratio of requests at $rate rps; not climbing further"
+    if saturated 20; then
+      echo "S1: Arbor is saturated at $rate rps (median over 20 ms or under 90% success); not climbing further"
+      echo "{\"scenario\": \"S1\", \"saturated_at\": $rate}" >>"$RESULTS/saturation.jsonl"
       break
     fi
   done
@@ -278,6 +296,11 @@ if wants S2; then
   for rate in $S2_RATES; do
     DIRECT_PORT=$MOCK60 load S0-60ms direct direct "$rate"
     MODEL=mock-60 load S2 sqlite arbor "$rate"
+    if saturated 80; then
+      echo "S2: Arbor is saturated at $rate rps; not climbing further"
+      echo "{\"scenario\": \"S2\", \"saturated_at\": $rate}" >>"$RESULTS/saturation.jsonl"
+      break
+    fi
   done
 fi
 
@@ -285,6 +308,10 @@ if wants S3; then
   for rate in $S3_RATES; do
     DIRECT_PORT=$MOCKSTREAM load S0-stream direct direct "$rate" --stream
     MODEL=mock-stream load S3 sqlite arbor "$rate" --stream
+    if saturated 1000; then
+      echo "{\"scenario\": \"S3\", \"saturated_at\": $rate}" >>"$RESULTS/saturation.jsonl"
+      break
+    fi
   done
 fi
 
@@ -301,7 +328,7 @@ if wants S3 && [[ -n "$NODELAY" ]]; then
 fi
 
 if wants S4; then
-  parity sqlite "$([[ $SMOKE == 1 ]] && echo 20 || echo 500)"
+  parity sqlite "$([[ $SMOKE == 1 ]] && echo 20 || echo 200)"
 fi
 
 if wants S5; then
@@ -322,13 +349,14 @@ if [[ $USE_POSTGRES == 1 ]] && wants S4; then
     PG_DB=arbor_bench
     psql -q "$PG_URL/postgres" -c "DROP DATABASE IF EXISTS $PG_DB" -c "CREATE DATABASE $PG_DB"
     start_arbor postgres "$PG_URL/$PG_DB"
-    for rate in 500 1000 2000; do
+    for rate in 100 300 500; do
       load S4 postgres arbor "$rate"
+      if saturated 20; then break; fi
     done
-    for rate in 100 500; do
+    for rate in 100 300; do
       MODEL=mock-stream load S4-stream postgres arbor "$rate" --stream
     done
-    parity postgres 500
+    parity postgres 200
     taskset -c "$LOAD_CORE" "$BIN/arbor-bench" tree --base-url "$ARBOR" --model mock-0 --out "$RESULTS/tree.jsonl"
     sed -i '$ s/"scenario":"S5"/"scenario":"S5","backend":"postgres"/' "$RESULTS/tree.jsonl"
     stop_arbor
@@ -373,8 +401,9 @@ EOF
       echo "{\"version\": \"$version\"}" >"$RESULTS/litellm.json"
       for rate in $S6_RATES; do
         load S6 litellm litellm "$rate" --timeout 30
-        if awk -v r="$(last_success_ratio)" 'BEGIN { exit !(r < 0.9) }'; then
-          echo "S6: LiteLLM answered only $(last_success_ratio) of requests at $rate rps; not climbing further"
+        if saturated 1000; then
+          echo "S6: LiteLLM is saturated at $rate rps; not climbing further"
+          echo "{\"scenario\": \"S6\", \"saturated_at\": $rate}" >>"$RESULTS/saturation.jsonl"
           break
         fi
       done

@@ -13,6 +13,7 @@
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
 use arbor_core::ids::Millis;
@@ -71,6 +72,9 @@ pub struct SqliteStore {
     reader: SqlitePool,
     /// Notices stay in this process: a SQLite database serves one node.
     notices: broadcast::Sender<Notice>,
+    /// Keeps the WAL checkpointing task running while any clone of the
+    /// store lives (it holds only a weak reference).
+    _alive: Arc<()>,
 }
 
 impl SqliteStore {
@@ -92,7 +96,12 @@ impl SqliteStore {
                     .max_lifetime(None)
                     .connect_with(options)
                     .await?;
-                SqliteStore { writer: pool.clone(), reader: pool, notices: broadcast::channel(NOTICE_BUFFER).0 }
+                SqliteStore {
+                    writer: pool.clone(),
+                    reader: pool,
+                    notices: broadcast::channel(NOTICE_BUFFER).0,
+                    _alive: Arc::new(()),
+                }
             }
             Location::File(path) => Self::open_file(&path).await?,
         };
@@ -119,11 +128,28 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(BUSY_TIMEOUT);
-        let writer = SqlitePoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
+        // A checkpoint copies the WAL into the database file and fsyncs
+        // both, which takes milliseconds on a real disk. SQLite runs one
+        // inside the commit that grows the WAL past 1,000 pages, so that
+        // write, and every write queued behind it on the single writer,
+        // waits for two fsyncs: that was the benchmark's p99 (see
+        // bench/REPORT.md). So the writer never checkpoints; a task does, on
+        // a connection of its own, in PASSIVE mode, which never takes the
+        // write lock. Durability is unchanged: a commit is in the WAL either
+        // way, and the checkpoint only moves it.
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone().pragma("wal_autocheckpoint", "0"))
+            .await?;
         let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 8);
-        let reader =
-            SqlitePoolOptions::new().max_connections(u32::try_from(readers).unwrap_or(4)).connect_with(options).await?;
-        Ok(SqliteStore { writer, reader, notices: broadcast::channel(NOTICE_BUFFER).0 })
+        let reader = SqlitePoolOptions::new()
+            .max_connections(u32::try_from(readers).unwrap_or(4))
+            .connect_with(options.clone())
+            .await?;
+        let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
+        let alive = Arc::new(());
+        tokio::spawn(checkpoint_wal(checkpointer, Arc::downgrade(&alive)));
+        Ok(SqliteStore { writer, reader, notices: broadcast::channel(NOTICE_BUFFER).0, _alive: alive })
     }
 
     /// A write transaction that holds the write lock from its first
@@ -170,6 +196,73 @@ async fn insert_node(tx: &mut Transaction<'static, Sqlite>, statement: &'static 
         .bind(node.created_at)
         .execute(&mut **tx)
         .await?;
+    Ok(())
+}
+
+/// How often the WAL is checkpointed (see `open_file`).
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+
+/// Checkpoints the WAL every [`CHECKPOINT_EVERY`] until the store is gone.
+/// PASSIVE copies what no reader still needs and never waits for a lock;
+/// the next write after a complete checkpoint starts the WAL over, so it
+/// stays small.
+async fn checkpoint_wal(pool: SqlitePool, alive: Weak<()>) {
+    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if alive.strong_count() == 0 {
+            break;
+        }
+        if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&pool).await {
+            tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed");
+        }
+    }
+    pool.close().await;
+}
+
+/// Row counts of the multi-row event inserts, largest first. A batch is
+/// split greedily into these (27 events: 16 + 8 + 2 + 1), so a handful of
+/// fixed statements, each prepared once per connection, store any batch.
+const EVENT_INSERT_ROWS: [usize; 6] = [32, 16, 8, 4, 2, 1];
+
+/// `INSERT INTO events ... VALUES (...), (...)` with `rows` rows of bound
+/// parameters (at most 32 × 6 = 192, well under SQLite's limit).
+fn event_insert(rows: usize) -> &'static str {
+    static STATEMENTS: LazyLock<Vec<String>> = LazyLock::new(|| {
+        EVENT_INSERT_ROWS
+            .iter()
+            .map(|&rows| {
+                let values = vec!["(?, ?, ?, ?, ?, ?)"; rows].join(", ");
+                format!(concat!("INSERT INTO events (", event_columns!(), ") VALUES {}"), values)
+            })
+            .collect()
+    });
+    let index = EVENT_INSERT_ROWS.iter().position(|&size| size == rows).unwrap_or(EVENT_INSERT_ROWS.len() - 1);
+    &STATEMENTS[index]
+}
+
+/// Inserts events in a few multi-row statements rather than one statement
+/// per event: each statement is a round trip to the connection's thread,
+/// and a streamed turn writes a few dozen events.
+async fn insert_events(tx: &mut Transaction<'static, Sqlite>, events: &[Event]) -> StoreResult<()> {
+    let mut rest = events;
+    while !rest.is_empty() {
+        let rows = EVENT_INSERT_ROWS.iter().copied().find(|&size| size <= rest.len()).unwrap_or(1);
+        let (chunk, tail) = rest.split_at(rows);
+        let mut query = sqlx::query(event_insert(rows));
+        for event in chunk {
+            query = query
+                .bind(&*event.conversation_id)
+                .bind(event.seq)
+                .bind(event.turn_id.as_deref())
+                .bind(event.name.as_str())
+                .bind(&*event.data)
+                .bind(event.created_at);
+        }
+        query.execute(&mut **tx).await?;
+        rest = tail;
+    }
     Ok(())
 }
 
@@ -698,17 +791,7 @@ impl Store for SqliteStore {
             return Ok(());
         }
         let mut tx = self.write().await?;
-        for event in events {
-            sqlx::query(concat!("INSERT INTO events (", event_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))
-                .bind(&*event.conversation_id)
-                .bind(event.seq)
-                .bind(event.turn_id.as_deref())
-                .bind(event.name.as_str())
-                .bind(&*event.data)
-                .bind(event.created_at)
-                .execute(&mut *tx)
-                .await?;
-        }
+        insert_events(&mut tx, events).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -726,17 +809,7 @@ impl Store for SqliteStore {
         .await?;
         let last = last.ok_or(StoreError::NotFound)?;
         let numbered = codec::number_events(conversation_id, last, events);
-        for event in &numbered {
-            sqlx::query(concat!("INSERT INTO events (", event_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))
-                .bind(&*event.conversation_id)
-                .bind(event.seq)
-                .bind(event.turn_id.as_deref())
-                .bind(event.name.as_str())
-                .bind(&*event.data)
-                .bind(event.created_at)
-                .execute(&mut *tx)
-                .await?;
-        }
+        insert_events(&mut tx, &numbered).await?;
         tx.commit().await?;
         Ok(numbered)
     }
@@ -911,6 +984,8 @@ impl Store for SqliteStore {
 
 #[cfg(test)]
 mod tests {
+    use sqlx::Connection;
+
     use super::*;
 
     #[test]
@@ -937,6 +1012,86 @@ mod tests {
             let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(pool).await.expect("synchronous");
             assert_eq!(synchronous, 1);
         }
+    }
+
+    #[test]
+    fn event_inserts_have_one_row_of_parameters_per_event() {
+        for rows in EVENT_INSERT_ROWS {
+            assert_eq!(event_insert(rows).matches('?').count(), rows * 6, "{rows} rows");
+        }
+    }
+
+    #[tokio::test]
+    async fn event_batches_of_any_size_are_stored_whole_and_in_order() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let owner = User { id: "u".into(), name: "u".into(), is_admin: false, balance_credits: None, created_at: 1 };
+        store.create_user(&owner).await.expect("user");
+        let conversation = Conversation {
+            id: "c".into(),
+            owner_id: "u".into(),
+            title: None,
+            system_prompt: None,
+            preset_id: None,
+            model: "m".into(),
+            head_id: None,
+            head_version: 0,
+            summary: None,
+            created_at: 1,
+            updated_at: 1,
+        };
+        store.create_conversation(&conversation).await.expect("conversation");
+        let event = |seq: i64| Event {
+            seq,
+            conversation_id: "c".into(),
+            turn_id: (seq % 2 == 0).then(|| "t".into()),
+            name: arbor_core::EventName::Delta,
+            data: format!("{{\"n\":{seq}}}").into(),
+            created_at: seq,
+        };
+        // 1 + 2 + 64 + 27: single rows, full chunks and a mixed remainder.
+        let mut next = 1;
+        for size in [1, 2, 64, 27] {
+            let batch: Vec<Event> = (next..next + size).map(event).collect();
+            store.append_events(&batch).await.expect("appends");
+            next += size;
+        }
+        let stored = store.events_after("c", 0, 1000).await.expect("reads");
+        assert_eq!(stored.iter().map(|event| event.seq).collect::<Vec<_>>(), (1..next).collect::<Vec<_>>());
+        assert!(stored.iter().all(|stored| *stored == event(stored.seq)), "every column round-trips");
+
+        // A batch with a taken seq is refused whole.
+        let clash: Vec<Event> = (next..next + 40).chain([5]).map(event).collect();
+        assert!(store.append_events(&clash).await.is_err());
+        assert_eq!(store.last_event_seq("c").await.expect("reads"), next - 1);
+    }
+
+    #[tokio::test]
+    async fn the_writer_leaves_checkpoints_to_the_background_task() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let path = folder.path().join("a.db");
+        let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens");
+        let automatic: i64 =
+            sqlx::query_scalar("PRAGMA wal_autocheckpoint").fetch_one(&store.writer).await.expect("reads");
+        assert_eq!(automatic, 0, "the writer never checkpoints in its commits");
+        let owner = User { id: "u".into(), name: "u".into(), is_admin: false, balance_credits: None, created_at: 1 };
+        store.create_user(&owner).await.expect("writes");
+        // An immutable connection reads the database file alone, without the
+        // WAL: it sees the row only once a checkpoint has copied it there.
+        let file_only = SqliteConnectOptions::new().filename(&path).immutable(true);
+        let mut checkpointed = false;
+        for _ in 0..50 {
+            tokio::time::sleep(CHECKPOINT_EVERY).await;
+            let mut connection = sqlx::SqliteConnection::connect_with(&file_only).await.expect("connects");
+            let users: i64 = sqlx::query_scalar("SELECT count(*) FROM users WHERE id = 'u'")
+                .fetch_one(&mut connection)
+                .await
+                .expect("reads");
+            if users == 1 {
+                checkpointed = true;
+                break;
+            }
+        }
+        assert!(checkpointed, "the background task copied the commit into the database file");
     }
 
     #[tokio::test]
