@@ -20,6 +20,7 @@ use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::HeaderValue;
 use axum::middleware::{self, Next};
 use axum::response::Response;
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -81,6 +82,11 @@ pub async fn serve(
     let engine = state.engine.clone();
     let streams_end = state.streams_end.clone();
     let app = router(state, max_body_bytes);
+    // Small SSE writes must leave at once: with Nagle's algorithm on, each
+    // event after the first waits for the client's delayed ACK (~40 ms).
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
     let mut server = tokio::spawn(server.into_future());
     tokio::select! {

@@ -18,6 +18,7 @@ use arbor_testkit::mock::{Prebuilt, Protocol, Reply};
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::response::Response;
+use axum::serve::ListenerExt;
 use clap::Parser;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -70,6 +71,10 @@ async fn main() -> std::io::Result<()> {
 
     let shutdown = served.shutdown.clone();
     let router = Router::new().fallback(handle).with_state(served);
+    // Streamed chunks leave at once, as from a real provider.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router)
         .with_graceful_shutdown(async move {
             // Without a signal handler the server runs until killed, which is

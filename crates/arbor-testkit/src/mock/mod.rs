@@ -40,6 +40,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::serve::ListenerExt;
 use bytes::Bytes;
 use futures_util::Stream;
 use serde_json::Value;
@@ -276,6 +277,10 @@ impl MockServer {
         let router = Router::new().fallback(handle).with_state(Arc::clone(&shared));
         let stop = shared.shutdown.clone();
         let task = tokio::spawn(async move {
+            // Streamed chunks leave at once, as from a real provider.
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let server = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned());
             if let Err(error) = server.await {
                 tracing::warn!(%error, %protocol, "mock provider server stopped with an error");
