@@ -29,6 +29,8 @@ use crate::writer::EventWriter;
 const BROADCAST_CAPACITY: usize = 1024;
 /// Recent events kept in memory once stored (unstored ones are always kept).
 const RECENT_KEPT: usize = 4096;
+/// What stays of them once a turn has ended.
+const RECENT_BETWEEN_TURNS: usize = 64;
 
 /// The turn that holds the conversation's slot.
 #[derive(Clone)]
@@ -55,6 +57,9 @@ pub(crate) struct QueuedTurn {
     pub waited: bool,
     /// Whether the user's spending is limited: each call reserves credits.
     pub limited: bool,
+    /// When the engine took it in, or, for a turn that waited, when its
+    /// wait ended: Arbor's overhead is measured from here.
+    pub accepted: std::time::Instant,
     pub user: User,
     pub model: ResolvedModel,
     pub cancel: CancellationToken,
@@ -198,10 +203,19 @@ impl Hub {
             state.running = None;
         }
         self.emit_locked(&mut state, Some(turn_id), name, data);
+        // Between turns only a short tail stays in memory; a viewer that
+        // resumes from further back replays from the store.
+        let flushed = self.flushed.load(Ordering::Acquire);
+        while state.recent.len() > RECENT_BETWEEN_TURNS
+            && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed)
+        {
+            state.recent.pop_front();
+        }
         if state.running.is_some() {
             return None;
         }
-        let next = state.queue.pop_front()?;
+        let mut next = state.queue.pop_front()?;
+        next.accepted = std::time::Instant::now();
         state.running = Some(RunningTurn {
             turn_id: Arc::from(next.turn.id.as_str()),
             cancel: next.cancel.clone(),
@@ -270,7 +284,8 @@ impl Hub {
         if state.running.is_some() {
             return None;
         }
-        let next = state.queue.pop_front()?;
+        let mut next = state.queue.pop_front()?;
+        next.accepted = std::time::Instant::now();
         state.running = Some(RunningTurn {
             turn_id: Arc::from(next.turn.id.as_str()),
             cancel: next.cancel.clone(),

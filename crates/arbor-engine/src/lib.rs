@@ -163,7 +163,7 @@ impl Inner {
 /// How long an authenticated key is trusted without asking the store again.
 const KEY_CACHE_TTL: Duration = Duration::from_secs(30);
 /// Hubs quiet for this long (and fully stored) may leave memory.
-const HUB_IDLE: Duration = Duration::from_secs(300);
+const HUB_IDLE: Duration = Duration::from_secs(30);
 
 #[derive(Clone)]
 pub struct Engine {
@@ -422,7 +422,7 @@ impl Engine {
         }
         let last_seq = self.inner.store.last_event_seq(conversation_id).await?;
         let mut hubs = lock(&self.inner.hubs);
-        if hubs.len() >= 1024 {
+        if hubs.len() >= 256 {
             hubs.retain(|_, hub| !hub.is_idle(HUB_IDLE));
         }
         let hub = hubs

@@ -90,6 +90,7 @@ impl Engine {
     /// Records input and (when it ends with a user message and `run`) starts
     /// or queues a turn on it.
     pub async fn submit(&self, user: &User, conversation_id: &str, submit: Submit) -> EngineResult<Submitted> {
+        let accepted = std::time::Instant::now();
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
@@ -129,7 +130,18 @@ impl Engine {
         let handle = self
             .inner
             .clone()
-            .begin_turn(&hub, user.clone(), conversation, model, new.nodes, new.parent, submit.queue, anchored, limited)
+            .begin_turn(
+                &hub,
+                user.clone(),
+                conversation,
+                model,
+                new.nodes,
+                new.parent,
+                submit.queue,
+                anchored,
+                limited,
+                accepted,
+            )
             .await?;
         Ok(Submitted::Turn(Box::new(handle)))
     }
@@ -144,6 +156,7 @@ impl Engine {
         model: Option<&str>,
         queue: QueueMode,
     ) -> EngineResult<TurnHandle> {
+        let accepted = std::time::Instant::now();
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
@@ -168,7 +181,18 @@ impl Engine {
         let hub = self.hub(&conversation.id).await?;
         self.inner
             .clone()
-            .begin_turn(&hub, user.clone(), conversation, model, Vec::new(), Some(reply_parent), queue, true, limited)
+            .begin_turn(
+                &hub,
+                user.clone(),
+                conversation,
+                model,
+                Vec::new(),
+                Some(reply_parent),
+                queue,
+                true,
+                limited,
+                accepted,
+            )
             .await
     }
 
@@ -400,6 +424,7 @@ impl Inner {
         queue: QueueMode,
         anchored: bool,
         limited: bool,
+        accepted: std::time::Instant,
     ) -> EngineResult<TurnHandle> {
         let turn_id: Arc<str> = Arc::from(new_id());
         let cancel = CancellationToken::new();
@@ -434,6 +459,7 @@ impl Inner {
             anchored,
             waited: false,
             limited,
+            accepted,
             user,
             model,
             cancel: cancel.clone(),
@@ -515,7 +541,7 @@ impl Inner {
             Ok(prepared) => prepared,
             Err(error) => return Err((error, Box::new(queued))),
         };
-        let QueuedTurn { user, model, cancel, outcome, limited, .. } = queued;
+        let QueuedTurn { user, model, cancel, outcome, limited, accepted, .. } = queued;
         let turn_id: Arc<str> = Arc::from(turn.id.as_str());
         hub.emit(
             Some(&turn_id),
@@ -530,7 +556,8 @@ impl Inner {
         let conversation = Conversation { head_version, head_id, ..conversation };
         let task =
             TurnTask::new(self.clone(), hub, user, conversation, turn, turn_id, model, cancel, outcome, deadline)
-                .with_reservations(limited);
+                .with_reservations(limited)
+                .accepted_at(accepted);
         self.tracker.spawn(task.run());
         Ok(())
     }

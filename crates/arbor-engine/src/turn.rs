@@ -125,9 +125,16 @@ impl TurnTask {
         self
     }
 
+    /// When the engine took the turn in (the submit), so that the overhead
+    /// measured covers recording the user's message and claiming the slot.
+    pub(crate) fn accepted_at(mut self, accepted: Instant) -> TurnTask {
+        self.accepted = accepted;
+        self
+    }
+
     pub(crate) async fn run(mut self) {
         let started = Instant::now();
-        tracing::info!(turn_id = %self.turn_id, conversation_id = %self.conversation.id, model = %self.model.info.id, "turn started");
+        tracing::debug!(turn_id = %self.turn_id, conversation_id = %self.conversation.id, model = %self.model.info.id, "turn started");
         // With several nodes, the turn holds a lease while it runs, so that
         // another node can take it over if this one dies.
         let lease = self.inner.config.shared.then(|| {
@@ -169,6 +176,8 @@ impl TurnTask {
             status = self.turn.status.as_str(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             cost_micro_usd = self.turn.cost_micro_usd,
+            conversation_id = %self.conversation.id,
+            model = %self.model.info.id,
             "turn finished"
         );
         let total = self.accepted.elapsed();
