@@ -101,14 +101,14 @@ if command -v perf >/dev/null; then
   perf record -e cpu-clock -F 1999 -g -p "$ARBOR_PID" -o "$WORK/perf.data" -- sleep 4 2>/dev/null
   wait "$LOAD_PID"
   {
-    echo "# perf (cpu-clock samples) of Arbor under JSON turns at $PERF_RATE/s, 4 s"
+    echo "# perf (cpu-clock samples) of Arbor under JSON turns at $PERF_RATE/s, 4 s (callers: perf report -g)"
     echo
     echo "## by shared object"
-    perf report -i "$WORK/perf.data" --stdio --no-children --sort dso 2>/dev/null | grep -v '^$' | head -n 30
+    perf report -i "$WORK/perf.data" --stdio --no-children --sort dso -g none 2>/dev/null | grep -v '^$' | grep -v '^#' | head -n 12 || true
     echo
     echo "## by symbol (self, top 60)"
     perf report -i "$WORK/perf.data" --stdio --no-children --sort dso,symbol -g none 2>/dev/null \
-      | grep -v '^$' | grep -v '^#' | head -n 60
+      | grep -v '^$' | grep -v '^#' | head -n 60 || true
   } >"$RESULTS/profile-perf.txt"
   echo "wrote $RESULTS/profile-perf.txt"
 fi

@@ -9,7 +9,7 @@
 # Environment: ARBOR_CORE / LOAD_CORE (default 0 / 1), S1_RATES, S2_RATES,
 # S3_RATES, S6_RATES (space-separated rates), ARBOR_BIN (another arbor
 # binary, for A/B runs), BENCH_OUT (write results and report there instead
-# of bench/), PG_URL (default
+# of bench/), LOAD_EXTRA (more arbor-bench load options), PG_URL (default
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
 # default: bench/.venv or the one on PATH; installed into bench/.venv when
 # missing and BENCH_INSTALL_LITELLM=1).
@@ -197,7 +197,7 @@ load() { # SCENARIO VARIANT TARGET RATE [extra arbor-bench args...]
   [[ $target == litellm ]] && key_args=(--key "$LITELLM_KEY")
   taskset -c "$LOAD_CORE" "$BIN/arbor-bench" load --target "$kind" --base-url "$base" --model "$model" \
     --rate "$rate" --duration "$(duration_for "$rate")" --warmup "$WARMUP" --runs "$RUNS" \
-    --scenario "$scenario" --variant "$variant" --out "$LOADS" "${pid_args[@]}" "${key_args[@]}" "$@"
+    --scenario "$scenario" --variant "$variant" --out "$LOADS" "${pid_args[@]}" "${key_args[@]}" ${LOAD_EXTRA:-} "$@"
 }
 
 # The last point's success ratio, to stop climbing past saturation.
@@ -222,7 +222,9 @@ PARITY_SQL="SELECT (SELECT count(*) FROM turns WHERE status = 'succeeded') || ' 
   (SELECT count(*) FROM turns)"
 count_rows() { # BACKEND
   if [[ $1 == sqlite ]]; then
-    sqlite3 "$WORK/arbor-sqlite/arbor.db" "$PARITY_SQL"
+    # Python's own sqlite3 module: the sqlite3 shell may not be installed.
+    python3 -c 'import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute(sys.argv[2]).fetchone()[0])' \
+      "$WORK/arbor-sqlite/arbor.db" "$PARITY_SQL"
   else
     psql -qtA "$PG_URL/$PG_DB" -c "$PARITY_SQL"
   fi
@@ -293,6 +295,10 @@ if wants S1; then
 fi
 
 if wants S2; then
+  # A fresh process (same database), so S2's peak RSS is its own and not
+  # what S1's conversations left in memory.
+  stop_arbor
+  start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
   for rate in $S2_RATES; do
     DIRECT_PORT=$MOCK60 load S0-60ms direct direct "$rate"
     MODEL=mock-60 load S2 sqlite arbor "$rate"
@@ -305,6 +311,8 @@ if wants S2; then
 fi
 
 if wants S3; then
+  stop_arbor
+  start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
   for rate in $S3_RATES; do
     DIRECT_PORT=$MOCKSTREAM load S0-stream direct direct "$rate" --stream
     MODEL=mock-stream load S3 sqlite arbor "$rate" --stream
@@ -401,7 +409,8 @@ EOF
       echo "{\"version\": \"$version\"}" >"$RESULTS/litellm.json"
       for rate in $S6_RATES; do
         load S6 litellm litellm "$rate" --timeout 30
-        if saturated 1000; then
+        # LiteLLM's own median is ~15-20 ms here; 100 ms means queueing.
+        if saturated 100; then
           echo "S6: LiteLLM is saturated at $rate rps; not climbing further"
           echo "{\"scenario\": \"S6\", \"saturated_at\": $rate}" >>"$RESULTS/saturation.jsonl"
           break
