@@ -204,6 +204,17 @@ impl Engine {
             cluster::start(engine.clone()).await?;
         } else {
             engine.recover_interrupted_turns().await?;
+            // Credits held by calls that never settled (a store fault
+            // mid-turn) go back once their reservation expires.
+            let store = engine.inner.store.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    if let Err(error) = store.release_expired_reservations(now_millis()).await {
+                        tracing::warn!(%error, "releasing expired credit reservations failed");
+                    }
+                }
+            });
         }
         Ok(engine)
     }

@@ -70,6 +70,8 @@ pub(crate) struct TurnTask {
     upstream: std::time::Duration,
     /// Reserve credits before each call (the user's spending is limited).
     reserve: bool,
+    /// Whether the finished turn is stored (with its last call).
+    recorded: bool,
 }
 
 /// What one model call produced.
@@ -117,6 +119,7 @@ impl TurnTask {
             accepted: Instant::now(),
             upstream: std::time::Duration::ZERO,
             reserve: false,
+            recorded: false,
         }
     }
 
@@ -156,9 +159,13 @@ impl TurnTask {
                 None
             }
         };
-        self.turn.finished_at = Some(now_millis());
-        if let Err(error) = self.inner.store.update_turn(&self.turn).await {
-            tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
+        // A turn that made its call was written whole by `finish_turn`; one
+        // that ended before (refused, or a store fault) is written here.
+        if !self.recorded {
+            self.turn.finished_at = Some(now_millis());
+            if let Err(error) = self.inner.store.update_turn(&self.turn).await {
+                tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
+            }
         }
         if self.inner.config.shared {
             // Wakes nodes holding queued turns for this conversation.
@@ -337,16 +344,48 @@ impl TurnTask {
             cost_micro_usd: cost.micro_usd,
             created_at: now_millis(),
         };
-        match &reservation {
-            Some(reservation_id) => self.inner.store.settle_reservation(reservation_id, &call, reply.as_ref()).await?,
-            None => self.inner.store.record_call(&call, reply.as_ref()).await?,
+        // How the turn ends, decided before anything is written, so that the
+        // reply, the call, its charge, the head and the finished turn are
+        // stored in one transaction, before `done` is sent.
+        let ending = match result.failure {
+            None => None,
+            Some(Failure::Stopped(Stopped::Cancelled)) => {
+                Some((TurnStatus::Cancelled, ErrorCode::Cancelled, "the turn was cancelled".to_string()))
+            }
+            Some(Failure::Stopped(Stopped::Shutdown)) => Some((
+                TurnStatus::Interrupted,
+                ErrorCode::Cancelled,
+                "the server shut down during the turn; send the message again".to_string(),
+            )),
+            Some(Failure::Stopped(Stopped::TimedOut)) => Some((
+                TurnStatus::Failed,
+                ErrorCode::Timeout,
+                format!("the turn took longer than its limit of {} s", self.inner.config.limits.turn_timeout.as_secs()),
+            )),
+            Some(Failure::Provider(error)) => {
+                self.retry_after_secs = error.retry_after.map(|delay| delay.as_secs().max(1));
+                Some((TurnStatus::Failed, error.code, error.message))
+            }
         };
-        if let Some(reply) = &reply {
+        match &ending {
+            None => self.turn.status = TurnStatus::Succeeded,
+            Some((turn_status, code, message)) => {
+                self.turn.status = *turn_status;
+                self.turn.error_code = Some(code.as_str().to_string());
+                self.turn.error_message = Some(message.clone());
+            }
+        }
+        self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
+        let now = now_millis();
+        self.turn.finished_at = Some(now);
+        let (_, head_version) =
+            self.inner.store.finish_turn(&self.turn, &call, reply.as_ref(), reservation.as_deref(), now).await?;
+        self.recorded = true;
+        if let (Some(reply), Some(head_version)) = (&reply, head_version) {
             let before = self.conversation.head_version;
-            self.conversation.head_version =
-                self.inner.store.set_head(&self.conversation.id, Some(&reply.id), None, now_millis()).await?;
+            self.conversation.head_version = head_version;
             self.conversation.head_id = Some(reply.id.clone());
-            self.hub.advance_tree(before, self.conversation.head_version, std::slice::from_ref(reply));
+            self.hub.advance_tree(before, head_version, std::slice::from_ref(reply));
         }
 
         self.hub.emit(
@@ -371,49 +410,16 @@ impl TurnTask {
         if let Some(reply) = &reply {
             self.hub.emit(Some(&self.turn_id), EventName::MessageNew, &json!({ "message": reply }));
         }
-
-        match result.failure {
-            None => {
-                self.turn.status = TurnStatus::Succeeded;
-                self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
-            }
-            Some(failure) => {
-                let (turn_status, code, message) = match failure {
-                    Failure::Stopped(Stopped::Cancelled) => {
-                        (TurnStatus::Cancelled, ErrorCode::Cancelled, "the turn was cancelled".to_string())
-                    }
-                    Failure::Stopped(Stopped::Shutdown) => (
-                        TurnStatus::Interrupted,
-                        ErrorCode::Cancelled,
-                        "the server shut down during the turn; send the message again".to_string(),
-                    ),
-                    Failure::Stopped(Stopped::TimedOut) => (
-                        TurnStatus::Failed,
-                        ErrorCode::Timeout,
-                        format!(
-                            "the turn took longer than its limit of {} s",
-                            self.inner.config.limits.turn_timeout.as_secs()
-                        ),
-                    ),
-                    Failure::Provider(error) => {
-                        self.retry_after_secs = error.retry_after.map(|delay| delay.as_secs().max(1));
-                        (TurnStatus::Failed, error.code, error.message)
-                    }
-                };
-                if turn_status != TurnStatus::Cancelled && turn_status != TurnStatus::Interrupted {
-                    let trace_id = new_id();
-                    self.hub.emit(
-                        Some(&self.turn_id),
-                        EventName::TraceStart,
-                        &json!({"id": trace_id, "type": "error", "code": code, "message": message}),
-                    );
-                    self.hub.emit(Some(&self.turn_id), EventName::TraceEnd, &json!({"id": trace_id, "type": "error"}));
-                }
-                self.turn.status = turn_status;
-                self.turn.error_code = Some(code.as_str().to_string());
-                self.turn.error_message = Some(message);
-                self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
-            }
+        if let Some((turn_status, code, message)) = ending
+            && turn_status == TurnStatus::Failed
+        {
+            let trace_id = new_id();
+            self.hub.emit(
+                Some(&self.turn_id),
+                EventName::TraceStart,
+                &json!({"id": trace_id, "type": "error", "code": code, "message": message}),
+            );
+            self.hub.emit(Some(&self.turn_id), EventName::TraceEnd, &json!({"id": trace_id, "type": "error"}));
         }
         Ok(reply)
     }

@@ -150,6 +150,20 @@ pub trait Store: Send + Sync + 'static {
     /// spend, so the balance may go below zero here; [`Store::reserve_credits`]
     /// is what keeps calls from starting without the credits.
     async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry>;
+    /// Ends a turn's last model call in ONE transaction (one commit where
+    /// separate calls would make four): gives back its reservation (if any),
+    /// stores the call, its reply and its charge as [`Store::record_call`]
+    /// does, moves the head to the reply (when there is one) and writes the
+    /// finished turn. Returns the ledger entry and the head version after
+    /// the move.
+    async fn finish_turn(
+        &self,
+        turn: &Turn,
+        call: &ApiCall,
+        reply: Option<&Node>,
+        reservation_id: Option<&str>,
+        updated_at: Millis,
+    ) -> StoreResult<(LedgerEntry, Option<i64>)>;
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>>;
     async fn ledger(&self, user_id: &str, limit: u32) -> StoreResult<Vec<LedgerEntry>>;
     /// Sets a user's credit balance (`None`: unlimited).

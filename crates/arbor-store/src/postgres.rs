@@ -378,6 +378,45 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
     Ok(())
 }
 
+/// Writes a turn's status, totals, error and times with `executor` (the
+/// pool, or a transaction shared with other writes).
+async fn update_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    let result = sqlx::query(
+        "UPDATE turns SET status = $1, model = $2, iterations = $3, input_tokens = $4, \
+             output_tokens = $5, thinking_tokens = $6, cached_tokens = $7, \
+             cache_write_tokens = $8, cost_micro_usd = $9, reply_message_id = $10, \
+             error_code = $11, error_message = $12, started_at = $13, finished_at = $14, \
+             pending_messages = $15 WHERE conversation_id = $16 AND id = $17",
+    )
+    .bind(turn.status.as_str())
+    .bind(&turn.model)
+    .bind(i64::from(turn.iterations))
+    .bind(to_i64(turn.usage.input_tokens))
+    .bind(to_i64(turn.usage.output_tokens))
+    .bind(to_i64(turn.usage.thinking_tokens))
+    .bind(to_i64(turn.usage.cached_tokens))
+    .bind(to_i64(turn.usage.cache_write_tokens))
+    .bind(to_i64(turn.cost_micro_usd))
+    .bind(&turn.reply_message_id)
+    .bind(&turn.error_code)
+    .bind(&turn.error_message)
+    .bind(turn.started_at)
+    .bind(turn.finished_at)
+    .bind(codec::pending_json(turn))
+    .bind(&turn.conversation_id)
+    .bind(&turn.id)
+    .execute(executor)
+    .await
+    .map_err(codec::running_turn_conflict)?;
+    if result.rows_affected() == 0 {
+        return Err(StoreError::NotFound);
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn create_user(&self, user: &User) -> StoreResult<()> {
@@ -699,37 +738,7 @@ impl Store for PostgresStore {
     }
 
     async fn update_turn(&self, turn: &Turn) -> StoreResult<()> {
-        let result = sqlx::query(
-            "UPDATE turns SET status = $1, model = $2, iterations = $3, input_tokens = $4, \
-             output_tokens = $5, thinking_tokens = $6, cached_tokens = $7, \
-             cache_write_tokens = $8, cost_micro_usd = $9, reply_message_id = $10, \
-             error_code = $11, error_message = $12, started_at = $13, finished_at = $14, \
-             pending_messages = $15 WHERE conversation_id = $16 AND id = $17",
-        )
-        .bind(turn.status.as_str())
-        .bind(&turn.model)
-        .bind(i64::from(turn.iterations))
-        .bind(to_i64(turn.usage.input_tokens))
-        .bind(to_i64(turn.usage.output_tokens))
-        .bind(to_i64(turn.usage.thinking_tokens))
-        .bind(to_i64(turn.usage.cached_tokens))
-        .bind(to_i64(turn.usage.cache_write_tokens))
-        .bind(to_i64(turn.cost_micro_usd))
-        .bind(&turn.reply_message_id)
-        .bind(&turn.error_code)
-        .bind(&turn.error_message)
-        .bind(turn.started_at)
-        .bind(turn.finished_at)
-        .bind(codec::pending_json(turn))
-        .bind(&turn.conversation_id)
-        .bind(&turn.id)
-        .execute(&self.pool)
-        .await
-        .map_err(codec::running_turn_conflict)?;
-        if result.rows_affected() == 0 {
-            return Err(StoreError::NotFound);
-        }
-        Ok(())
+        update_turn_on(&self.pool, turn).await
     }
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
@@ -760,6 +769,35 @@ impl Store for PostgresStore {
         let entry = charge_call(&mut tx, call, message).await?;
         tx.commit().await?;
         Ok(entry)
+    }
+
+    async fn finish_turn(
+        &self,
+        turn: &Turn,
+        call: &ApiCall,
+        reply: Option<&Node>,
+        reservation_id: Option<&str>,
+        updated_at: Millis,
+    ) -> StoreResult<(LedgerEntry, Option<i64>)> {
+        let mut tx = self.begin().await?;
+        if let Some(reservation_id) = reservation_id {
+            release(&mut tx, reservation_id).await?;
+        }
+        let entry = charge_call(&mut tx, call, reply).await?;
+        let head_version = match reply {
+            Some(node) => Some(
+                sqlx::query_scalar::<_, i64>("UPDATE conversations SET head_id = $1, head_version = head_version + 1, updated_at = $2 WHERE id = $3 RETURNING head_version")
+                    .bind(&node.id)
+                    .bind(updated_at)
+                    .bind(&node.conversation_id)
+                    .fetch_one(&mut *tx)
+                    .await?,
+            ),
+            None => None,
+        };
+        update_turn_on(&mut *tx, turn).await?;
+        tx.commit().await?;
+        Ok((entry, head_version))
     }
 
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {

@@ -196,6 +196,7 @@ stories!(
     story_events_numbered_by_the_store,
     story_a_large_tree_loads_whole,
     story_queued_turns_keep_their_messages,
+    story_finish_turn_writes_everything_at_once,
 );
 
 // --------------------------------------------------------------- fixtures
@@ -1147,4 +1148,41 @@ async fn story_queued_turns_keep_their_messages(store: Arc<dyn Store>) {
     store.update_turn(&queued).await.expect("started");
     let read = store.turn("c1", "t1").await.expect("read").expect("turn");
     assert!(read.pending_messages.is_empty());
+}
+
+/// The end of a turn in one transaction: the reservation goes back, the
+/// reply, call and charge are stored, the head moves, the turn is finished.
+async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
+    alice_with_conversation(store.as_ref(), Some(1_000)).await;
+    store.append_messages(&[node("c1", "u1", None, Message::user("hi"))], 20).await.expect("user message");
+    let mut running = turn("c1", "t1", TurnStatus::Running, 30);
+    store.insert_turn(&running).await.expect("running");
+    let held = store.reserve_credits(&reservation("r1", "alice", 600, 10_000)).await.expect("reserve");
+    assert!(matches!(held, ReserveOutcome::Reserved { .. }));
+    assert_eq!(store.available_credits("alice").await.expect("read"), Some(400));
+
+    running.status = TurnStatus::Succeeded;
+    running.reply_message_id = Some("a1".into());
+    running.finished_at = Some(50);
+    let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
+    let (entry, head_version) = store
+        .finish_turn(&running, &call("k1", "alice", "c1", "t1", 250), Some(&reply), Some("r1"), 60)
+        .await
+        .expect("finished");
+    assert_eq!(entry.credits, 250);
+    assert_eq!(entry.balance_after, Some(750));
+    assert_eq!(head_version, Some(before + 1));
+    let conversation = store.conversation("alice", "c1").await.expect("read").expect("c1");
+    assert_eq!(conversation.head_id.as_deref(), Some("a1"));
+    assert_eq!(conversation.head_version, before + 1);
+    assert!(store.message("c1", "a1").await.expect("read").is_some());
+    assert_eq!(store.api_calls("t1").await.expect("read").len(), 1);
+    let finished = store.turn("c1", "t1").await.expect("read").expect("turn");
+    assert_eq!(finished.status, TurnStatus::Succeeded);
+    assert_eq!(finished.reply_message_id.as_deref(), Some("a1"));
+    assert_eq!(store.available_credits("alice").await.expect("read"), Some(750), "the hold is gone, the charge made");
+
+    // A second running turn may start now: the slot was freed in the same commit.
+    store.insert_turn(&turn("c1", "t2", TurnStatus::Running, 70)).await.expect("slot free");
 }
