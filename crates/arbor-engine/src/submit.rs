@@ -584,50 +584,26 @@ impl Inner {
         {
             return Err(EngineError::TurnRunning { turn_id: oldest.id });
         }
-        // The database's slot first (one running turn per conversation, on
-        // any node): a turn that cannot run yet has written nothing. Its
-        // messages move from the row into the tree below.
+        // One transaction claims the database's slot (one running turn per
+        // conversation, on any node) and records the user's messages, which
+        // are durable before any model is called; a turn that cannot run
+        // yet has written nothing. A queued turn's messages move from its
+        // row into the tree.
         turn.status = TurnStatus::Running;
         turn.pending_messages.clear();
         turn.started_at = Some(now_millis());
-        let stored = if queued.waited {
-            // The queued row may not be written yet if the turn ahead ended
-            // within moments of this one being queued.
-            match self.store.update_turn(&turn).await {
-                Err(StoreError::NotFound) => self.store.insert_turn(&turn).await,
-                other => other,
+        let head_version = match self.store.start_turn(&turn, &nodes, queued.waited, now_millis()).await {
+            Ok(version) => version,
+            Err(StoreError::Conflict(_)) => {
+                return Err(match self.running_elsewhere(&conversation.id).await {
+                    running @ EngineError::TurnRunning { .. } => running,
+                    _ => EngineError::Conflict(format!(
+                        "a message id in {:?} already exists in this conversation",
+                        nodes.iter().map(|node| node.id.as_str()).collect::<Vec<_>>()
+                    )),
+                });
             }
-        } else {
-            self.store.insert_turn(&turn).await
-        };
-        if let Err(error) = stored {
-            return Err(match error {
-                StoreError::Conflict(_) => self.running_elsewhere(&conversation.id).await,
-                other => other.into(),
-            });
-        }
-        // The user's messages are durable before any model is called.
-        let head_version = if nodes.is_empty() {
-            conversation.head_version
-        } else {
-            match self.store.append_messages(&nodes, now_millis()).await {
-                Ok(version) => version,
-                Err(error) => {
-                    turn.status = TurnStatus::Failed;
-                    turn.error_code = Some("conflict".into());
-                    turn.finished_at = Some(now_millis());
-                    if let Err(error) = self.store.update_turn(&turn).await {
-                        tracing::error!(%error, "freeing the turn slot after a refused message failed");
-                    }
-                    return Err(match error {
-                        StoreError::Conflict(_) => EngineError::Conflict(format!(
-                            "message id {:?} already exists in this conversation",
-                            nodes.last().map(|node| node.id.as_str()).unwrap_or_default()
-                        )),
-                        other => other.into(),
-                    });
-                }
-            }
+            Err(error) => return Err(error.into()),
         };
         if let Some(last) = nodes.last() {
             hub.set_reply_parent(&turn.id, &last.id);

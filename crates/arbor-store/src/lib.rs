@@ -136,6 +136,12 @@ pub trait Store: Send + Sync + 'static {
     async fn insert_turn(&self, turn: &Turn) -> StoreResult<()>;
     /// Writes the turn's status, totals, error and times.
     async fn update_turn(&self, turn: &Turn) -> StoreResult<()>;
+    /// Starts a turn in ONE transaction: writes it as running (inserted, or
+    /// updated when `queued_row` says its queued row may exist) and records
+    /// the messages it answers, moving the head to the last. Nothing is
+    /// written when either fails: `Conflict` for a second running turn or a
+    /// message id already in the conversation. Returns the head version.
+    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64>;
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>>;
     /// Turns in one of `statuses`, across all conversations (crash recovery).
     async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>>;

@@ -378,6 +378,43 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
     Ok(())
 }
 
+/// Inserts a turn with `executor` (the pool, or a shared transaction).
+async fn insert_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    sqlx::query(concat!(
+        "INSERT INTO turns (",
+        turn_columns!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+             $17, $18, $19, $20)"
+    ))
+    .bind(&turn.id)
+    .bind(&turn.conversation_id)
+    .bind(&turn.user_id)
+    .bind(&turn.user_message_id)
+    .bind(turn.status.as_str())
+    .bind(&turn.model)
+    .bind(i64::from(turn.iterations))
+    .bind(to_i64(turn.usage.input_tokens))
+    .bind(to_i64(turn.usage.output_tokens))
+    .bind(to_i64(turn.usage.thinking_tokens))
+    .bind(to_i64(turn.usage.cached_tokens))
+    .bind(to_i64(turn.usage.cache_write_tokens))
+    .bind(to_i64(turn.cost_micro_usd))
+    .bind(&turn.reply_message_id)
+    .bind(&turn.error_code)
+    .bind(&turn.error_message)
+    .bind(turn.created_at)
+    .bind(turn.started_at)
+    .bind(turn.finished_at)
+    .bind(codec::pending_json(turn))
+    .execute(executor)
+    .await
+    .map_err(codec::running_turn_conflict)?;
+    Ok(())
+}
+
 /// Writes a turn's status, totals, error and times with `executor` (the
 /// pool, or a transaction shared with other writes).
 async fn update_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
@@ -705,40 +742,43 @@ impl Store for PostgresStore {
     }
 
     async fn insert_turn(&self, turn: &Turn) -> StoreResult<()> {
-        sqlx::query(concat!(
-            "INSERT INTO turns (",
-            turn_columns!(),
-            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
-             $17, $18, $19, $20)"
-        ))
-        .bind(&turn.id)
-        .bind(&turn.conversation_id)
-        .bind(&turn.user_id)
-        .bind(&turn.user_message_id)
-        .bind(turn.status.as_str())
-        .bind(&turn.model)
-        .bind(i64::from(turn.iterations))
-        .bind(to_i64(turn.usage.input_tokens))
-        .bind(to_i64(turn.usage.output_tokens))
-        .bind(to_i64(turn.usage.thinking_tokens))
-        .bind(to_i64(turn.usage.cached_tokens))
-        .bind(to_i64(turn.usage.cache_write_tokens))
-        .bind(to_i64(turn.cost_micro_usd))
-        .bind(&turn.reply_message_id)
-        .bind(&turn.error_code)
-        .bind(&turn.error_message)
-        .bind(turn.created_at)
-        .bind(turn.started_at)
-        .bind(turn.finished_at)
-        .bind(codec::pending_json(turn))
-        .execute(&self.pool)
-        .await
-        .map_err(codec::running_turn_conflict)?;
-        Ok(())
+        insert_turn_on(&self.pool, turn).await
     }
 
     async fn update_turn(&self, turn: &Turn) -> StoreResult<()> {
         update_turn_on(&self.pool, turn).await
+    }
+
+    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64> {
+        let mut tx = self.begin().await?;
+        let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
+        match updated {
+            Ok(()) => {}
+            Err(StoreError::NotFound) => insert_turn_on(&mut *tx, turn).await?,
+            Err(error) => return Err(error),
+        }
+        let version = if nodes.is_empty() {
+            let version: Option<i64> = sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = $1")
+                .bind(&turn.conversation_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            version.ok_or(StoreError::NotFound)?
+        } else {
+            let (conversation_id, last_id) = codec::batch_target(nodes)?;
+            insert_nodes(&mut tx, nodes).await?;
+            let version: Option<i64> = sqlx::query_scalar(
+                "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
+                 updated_at = $2 WHERE id = $3 RETURNING head_version",
+            )
+            .bind(last_id)
+            .bind(updated_at)
+            .bind(conversation_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+            version.ok_or(StoreError::NotFound)?
+        };
+        tx.commit().await?;
+        Ok(version)
     }
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {

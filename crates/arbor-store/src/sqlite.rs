@@ -375,6 +375,42 @@ async fn release(tx: &mut Transaction<'static, Sqlite>, reservation_id: &str) ->
     Ok(true)
 }
 
+/// Inserts a turn with `executor` (the pool, or a shared transaction).
+async fn insert_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
+where
+    E: sqlx::Executor<'e, Database = Sqlite>,
+{
+    sqlx::query(concat!(
+        "INSERT INTO turns (",
+        turn_columns!(),
+        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    ))
+    .bind(&turn.id)
+    .bind(&turn.conversation_id)
+    .bind(&turn.user_id)
+    .bind(&turn.user_message_id)
+    .bind(turn.status.as_str())
+    .bind(&turn.model)
+    .bind(i64::from(turn.iterations))
+    .bind(to_i64(turn.usage.input_tokens))
+    .bind(to_i64(turn.usage.output_tokens))
+    .bind(to_i64(turn.usage.thinking_tokens))
+    .bind(to_i64(turn.usage.cached_tokens))
+    .bind(to_i64(turn.usage.cache_write_tokens))
+    .bind(to_i64(turn.cost_micro_usd))
+    .bind(&turn.reply_message_id)
+    .bind(&turn.error_code)
+    .bind(&turn.error_message)
+    .bind(turn.created_at)
+    .bind(turn.started_at)
+    .bind(turn.finished_at)
+    .bind(codec::pending_json(turn))
+    .execute(executor)
+    .await
+    .map_err(codec::running_turn_conflict)?;
+    Ok(())
+}
+
 /// Writes a turn's status, totals, error and times with `executor` (the
 /// pool, or a transaction shared with other writes).
 async fn update_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
@@ -690,39 +726,36 @@ impl Store for SqliteStore {
     }
 
     async fn insert_turn(&self, turn: &Turn) -> StoreResult<()> {
-        sqlx::query(concat!(
-            "INSERT INTO turns (",
-            turn_columns!(),
-            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        ))
-        .bind(&turn.id)
-        .bind(&turn.conversation_id)
-        .bind(&turn.user_id)
-        .bind(&turn.user_message_id)
-        .bind(turn.status.as_str())
-        .bind(&turn.model)
-        .bind(i64::from(turn.iterations))
-        .bind(to_i64(turn.usage.input_tokens))
-        .bind(to_i64(turn.usage.output_tokens))
-        .bind(to_i64(turn.usage.thinking_tokens))
-        .bind(to_i64(turn.usage.cached_tokens))
-        .bind(to_i64(turn.usage.cache_write_tokens))
-        .bind(to_i64(turn.cost_micro_usd))
-        .bind(&turn.reply_message_id)
-        .bind(&turn.error_code)
-        .bind(&turn.error_message)
-        .bind(turn.created_at)
-        .bind(turn.started_at)
-        .bind(turn.finished_at)
-        .bind(codec::pending_json(turn))
-        .execute(&self.writer)
-        .await
-        .map_err(codec::running_turn_conflict)?;
-        Ok(())
+        insert_turn_on(&self.writer, turn).await
     }
 
     async fn update_turn(&self, turn: &Turn) -> StoreResult<()> {
         update_turn_on(&self.writer, turn).await
+    }
+
+    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64> {
+        let mut tx = self.write().await?;
+        let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
+        match updated {
+            Ok(()) => {}
+            Err(StoreError::NotFound) => insert_turn_on(&mut *tx, turn).await?,
+            Err(error) => return Err(error),
+        }
+        let version = if nodes.is_empty() {
+            let version: Option<i64> = sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = ?")
+                .bind(&turn.conversation_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            version.ok_or(StoreError::NotFound)?
+        } else {
+            let (conversation_id, last_id) = codec::batch_target(nodes)?;
+            for node in nodes {
+                insert_node(&mut tx, NODE_INSERT, node).await?;
+            }
+            advance_head(&mut tx, conversation_id, last_id, updated_at).await?
+        };
+        tx.commit().await?;
+        Ok(version)
     }
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {

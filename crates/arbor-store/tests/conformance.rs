@@ -197,6 +197,7 @@ stories!(
     story_a_large_tree_loads_whole,
     story_queued_turns_keep_their_messages,
     story_finish_turn_writes_everything_at_once,
+    story_start_turn_is_all_or_nothing,
 );
 
 // --------------------------------------------------------------- fixtures
@@ -1185,4 +1186,40 @@ async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
 
     // A second running turn may start now: the slot was freed in the same commit.
     store.insert_turn(&turn("c1", "t2", TurnStatus::Running, 70)).await.expect("slot free");
+}
+
+/// Starting a turn writes the running turn and its messages together, or
+/// nothing at all.
+async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
+    alice_with_conversation(store.as_ref(), None).await;
+    let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
+    let first = turn("c1", "t1", TurnStatus::Running, 30);
+    let version =
+        store.start_turn(&first, &[node("c1", "u1", None, Message::user("hi"))], false, 40).await.expect("started");
+    assert_eq!(version, before + 1);
+    assert_eq!(store.turn("c1", "t1").await.expect("read").expect("t1").status, TurnStatus::Running);
+    assert!(store.message("c1", "u1").await.expect("read").is_some());
+
+    // A second running turn: refused, and its message is not written.
+    let second = turn("c1", "t2", TurnStatus::Running, 50);
+    let refused = store.start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no"))], false, 60).await;
+    assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
+    assert!(store.message("c1", "u2").await.expect("read").is_none());
+    assert!(store.turn("c1", "t2").await.expect("read").is_none());
+
+    // A message id already used: refused, and the turn is not written.
+    let mut done = first.clone();
+    done.status = TurnStatus::Succeeded;
+    store.update_turn(&done).await.expect("finished");
+    let reused = store.start_turn(&second, &[node("c1", "u1", None, Message::user("again"))], false, 70).await;
+    assert!(matches!(reused, Err(StoreError::Conflict(_))), "{reused:?}");
+    assert!(store.turn("c1", "t2").await.expect("read").is_none());
+
+    // A queued row becomes the running turn; no messages keeps the head.
+    let mut queued = turn("c1", "t3", TurnStatus::Queued, 80);
+    store.insert_turn(&queued).await.expect("queued");
+    queued.status = TurnStatus::Running;
+    let same = store.start_turn(&queued, &[], true, 90).await.expect("started from the queue");
+    assert_eq!(same, version);
+    assert_eq!(store.turn("c1", "t3").await.expect("read").expect("t3").status, TurnStatus::Running);
 }
