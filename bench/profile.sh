@@ -109,6 +109,6 @@ if command -v perf >/dev/null; then
     echo "## by symbol (self, top 60)"
     perf report -i "$WORK/perf.data" --stdio --no-children --sort dso,symbol -g none 2>/dev/null \
       | grep -v '^$' | grep -v '^#' | head -n 60 || true
-  } >"$RESULTS/profile-perf.txt"
+  } | sed -E 's/[[:space:]]+-[[:space:]]+-[[:space:]]*$//; s/[[:space:]]+$//' >"$RESULTS/profile-perf.txt"
   echo "wrote $RESULTS/profile-perf.txt"
 fi

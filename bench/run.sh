@@ -263,7 +263,9 @@ mem = next((line.split(":", 1)[1].strip() for line in open("/proc/meminfo") if l
 print(json.dumps({
     "cpu": cpu, "cores": os.cpu_count(), "memory": mem, "kernel": platform.release(),
     "rustc": cmd("rustc", "--version"), "commit": cmd("git", "-C", "$ROOT", "rev-parse", "--short", "HEAD"),
-    "dirty": bool(cmd("git", "-C", "$ROOT", "status", "--porcelain", "--untracked-files=no")),
+    # The results and report themselves do not make the code dirty.
+    "dirty": bool(cmd("git", "-C", "$ROOT", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                      ":!bench/results", ":!bench/REPORT.md")),
     "date": cmd("date", "-u", "+%Y-%m-%d %H:%M UTC"), "arbor_core": $ARBOR_CORE, "load_core": $LOAD_CORE,
     "chunks": $CHUNKS, "chunk_delay_ms": $CHUNK_DELAY_MS, "smoke": $SMOKE == 1,
     "loadavg_start": open("/proc/loadavg").read().split()[:3],
@@ -279,7 +281,7 @@ else
   S1_RATES=${S1_RATES:-10 50 100 200 300 400 500 700 1000 1500 2000 3000 4000}
   S2_RATES=${S2_RATES:-500 1000 2000 3000}
   S3_RATES=${S3_RATES:-100 300 500}
-  S6_RATES=${S6_RATES:-10 50 100}
+  S6_RATES=${S6_RATES:-10 50 100 200 400}
 fi
 
 if wants S1; then
@@ -321,18 +323,6 @@ if wants S3; then
       break
     fi
   done
-fi
-
-if wants S3 && [[ -n "$NODELAY" ]]; then
-  # The same streams with TCP_NODELAY set on Arbor's accepted sockets (what
-  # one line in arbor-server would do), on a fresh database.
-  stop_arbor
-  start_arbor sqlite-nodelay "sqlite://$WORK/arbor-sqlite-nodelay/arbor.db" "$NODELAY"
-  for rate in $S3_RATES; do
-    MODEL=mock-stream load S3-nodelay sqlite arbor "$rate" --stream
-  done
-  stop_arbor
-  start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
 fi
 
 if wants S4; then
