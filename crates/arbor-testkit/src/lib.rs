@@ -140,6 +140,19 @@ impl TestApp {
         read_json(response).await
     }
 
+    /// The user a key belongs to.
+    pub async fn user(&self, key: &str) -> arbor_store::User {
+        self.engine.authenticate(key).await.expect("authenticated").expect("a user for this key")
+    }
+
+    /// Starts a turn on `content` through the engine (returns once the turn
+    /// holds the conversation's slot), for tests that act while it runs.
+    pub async fn begin_turn(&self, key: &str, conversation: &str, content: &str) -> arbor_engine::TurnHandle {
+        let user = self.user(key).await;
+        let submitted = self.engine.submit(&user, conversation, arbor_engine::Submit::message(content)).await;
+        submitted.expect("submitted").into_turn().expect("a turn started")
+    }
+
     /// Creates a conversation and returns its id.
     pub async fn new_conversation(&self, key: &str, body: Value) -> String {
         let response = self.post(key, "/v1/conversations", &body).await;

@@ -209,15 +209,8 @@ async fn queued_messages_run_in_order_and_each_sees_the_reply_it_waited_for() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
     let mut viewer = app.open_stream(&key, &format!("/v1/conversations/{conversation}/events"), None, &[]).await;
-    let first = app
-        .engine
-        .submit(&user, &conversation, Submit::message("first"))
-        .await
-        .expect("submit")
-        .into_turn()
-        .expect("turn");
+    let first = app.begin_turn(&key, &conversation, "first").await;
     let path = format!("/v1/conversations/{conversation}/messages");
     let second_body = json!({"content": "second", "id": "s2", "queue": true});
     let (second, third) = tokio::join!(app.post(&key, &path, &second_body), async {
@@ -247,14 +240,7 @@ async fn merged_messages_join_one_next_turn_without_duplicates() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
-    let first = app
-        .engine
-        .submit(&user, &conversation, Submit::message("first"))
-        .await
-        .expect("submit")
-        .into_turn()
-        .expect("turn");
+    let first = app.begin_turn(&key, &conversation, "first").await;
     let path = format!("/v1/conversations/{conversation}/messages");
     let first_line = json!({"content": "Sam had 120ml", "id": "m1", "queue": "merge"});
     let (a, b, again) = tokio::join!(
@@ -289,14 +275,7 @@ async fn a_submit_while_a_turn_runs_is_409_unless_queued_and_cancel_removes_a_qu
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
-    let first = app
-        .engine
-        .submit(&user, &conversation, Submit::message("first"))
-        .await
-        .expect("submit")
-        .into_turn()
-        .expect("turn");
+    let first = app.begin_turn(&key, &conversation, "first").await;
     let path = format!("/v1/conversations/{conversation}/messages");
     let mut queued =
         app.open_stream(&key, &path, Some(&json!({"content": "later", "id": "later", "queue": true})), &[]).await;

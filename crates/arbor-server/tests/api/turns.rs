@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use arbor_engine::Submit;
 use arbor_testkit::spawn_app;
 use serde_json::{Value, json};
 
@@ -80,7 +79,7 @@ async fn a_streamed_turn_sends_the_protocol_in_order_and_stores_everything() {
     assert_eq!(trace, names, "the turn's trace is every event the client saw");
 
     // The ledger charged exactly that.
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
+    let user = app.user(&key).await;
     let ledger = app.engine.store().ledger(&user.id, 10).await.expect("ledger");
     assert_eq!(ledger.len(), 1);
     assert_eq!(ledger[0].credits, done["cost_credits"].as_i64().expect("credits"));
@@ -151,14 +150,7 @@ async fn a_second_submit_during_a_turn_gets_409_naming_the_running_turn() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
-    let running = app
-        .engine
-        .submit(&user, &conversation, Submit::message("first"))
-        .await
-        .expect("first turn")
-        .into_turn()
-        .expect("a turn");
+    let running = app.begin_turn(&key, &conversation, "first").await;
 
     let second =
         app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "second"})).await;
@@ -269,14 +261,7 @@ async fn shutdown_lets_a_running_turn_finish() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
-    let handle = app
-        .engine
-        .submit(&user, &conversation, Submit::message("finish me"))
-        .await
-        .expect("turn")
-        .into_turn()
-        .expect("a turn");
+    let handle = app.begin_turn(&key, &conversation, "finish me").await;
     let turn_id = handle.turn.id.clone();
     let engine = app.engine.clone();
     let _data = app.stop().await;
@@ -315,7 +300,7 @@ async fn arbor_reports_its_own_overhead_per_turn_and_as_a_metric() {
 async fn concurrent_turns_never_spend_past_a_users_credits() {
     let app = spawn_app().await;
     let key = app.new_user("limited").await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
+    let user = app.user(&key).await;
     // A demo reply costs ~20 credits, but each call first holds its worst
     // case (~1,700 credits for 4,096 output tokens): 2,000 covers one at a time.
     app.engine.store().set_balance(&user.id, Some(2_000)).await.expect("balance set");
@@ -359,7 +344,7 @@ async fn a_turn_still_running_after_the_grace_period_is_interrupted_and_kept() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
     let conversation = app.new_conversation(&key, json!({})).await;
-    let user = app.engine.authenticate(&key).await.expect("auth").expect("user");
+    let user = app.user(&key).await;
     let mut stream = app
         .open_stream(
             &key,
