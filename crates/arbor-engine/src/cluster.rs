@@ -14,7 +14,6 @@ use std::sync::Arc;
 
 use arbor_core::EventName;
 use arbor_core::ids::now_millis;
-use arbor_core::tree::Tree;
 use arbor_store::{Notice, Turn};
 use serde_json::json;
 use tokio::sync::broadcast::error::RecvError;
@@ -62,18 +61,10 @@ async fn handle(engine: &Engine, notice: Notice) {
                 }
             }
         }
-        Notice::HeadMoved { conversation_id, head_id, .. } => {
-            let Some(hub) = engine.hub_if_loaded(&conversation_id) else { return };
-            let (Some(running), Some(head_id)) = (hub.running(), head_id) else { return };
-            match engine.inner.store.messages(&conversation_id).await {
-                Ok(nodes) => {
-                    let tree = Tree::new(nodes);
-                    if !tree.path_to(&head_id).iter().any(|node| node.id == running.reply_parent) {
-                        tracing::info!(turn_id = %running.turn_id, "the head moved off the running turn's branch on another node; cancelling it");
-                        running.cancel.cancel();
-                    }
-                }
-                Err(error) => tracing::warn!(%error, "reading the tree after a remote head move failed"),
+        Notice::HeadMoved { conversation_id, head_id, head_version } => {
+            let (Some(hub), Some(head_id)) = (engine.hub_if_loaded(&conversation_id), head_id) else { return };
+            if let Err(error) = engine.inner.stop_if_branch_left(&hub, &conversation_id, &head_id, head_version).await {
+                tracing::warn!(%error, "checking a remote head move against the running turn failed");
             }
         }
         Notice::TurnFinished { conversation_id, .. } => {

@@ -305,9 +305,8 @@ impl Engine {
     pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
         // A busy conversation's tree is in memory; others come from the store.
-        let cached = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.cached_tree(conversation.head_version));
-        let messages = match cached {
-            Some(tree) => tree.nodes().to_vec(),
+        let messages = match self.hub_if_loaded(&conversation.id) {
+            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?.nodes().to_vec(),
             None => self.inner.store.messages(&conversation.id).await?,
         };
         Ok(ConversationTree { conversation, messages })

@@ -105,7 +105,7 @@ impl Engine {
 
         let new = match &submit.view {
             Some(view) => {
-                let tree = Tree::new(self.inner.store.messages(&conversation.id).await?);
+                let tree = self.inner.tree(&hub, &conversation.id, conversation.head_version).await?;
                 match merge_view(&tree, view).map_err(|error| EngineError::InvalidInput(error.to_string()))? {
                     MergePlan::MoveHead { to } => {
                         let head_version =
@@ -327,6 +327,40 @@ impl Inner {
         }
     }
 
+    /// The conversation's tree at `head_version`: the hub's copy when it is
+    /// that version, else read from the store and kept in the hub.
+    pub(crate) async fn tree(
+        &self,
+        hub: &Hub,
+        conversation_id: &str,
+        head_version: i64,
+    ) -> Result<Arc<Tree>, StoreError> {
+        if let Some(tree) = hub.cached_tree(head_version) {
+            return Ok(tree);
+        }
+        let tree = Arc::new(Tree::new(self.store.messages(conversation_id).await?));
+        hub.cache_tree(head_version, tree.clone());
+        Ok(tree)
+    }
+
+    /// Cancels the running turn when the head (now `head_id`, at
+    /// `head_version`) is no longer on a path through the message it answers.
+    pub(crate) async fn stop_if_branch_left(
+        &self,
+        hub: &Hub,
+        conversation_id: &str,
+        head_id: &str,
+        head_version: i64,
+    ) -> EngineResult<()> {
+        let Some(running) = hub.running() else { return Ok(()) };
+        let tree = self.tree(hub, conversation_id, head_version).await?;
+        if !tree.path_to(head_id).iter().any(|node| node.id == running.reply_parent) {
+            tracing::info!(turn_id = %running.turn_id, "the head moved off the running turn's branch; cancelling it");
+            running.cancel.cancel();
+        }
+        Ok(())
+    }
+
     /// The quota is read fresh: a cached user may hold an old balance.
     /// Returns whether the user's spending is limited (calls then reserve
     /// credits before they are made).
@@ -399,14 +433,7 @@ impl Inner {
                 tracing::warn!(%error, "announcing a head move to the other nodes failed");
             }
         }
-        if let Some(running) = hub.running() {
-            let tree = Tree::new(self.store.messages(&conversation.id).await?);
-            let on_new_path = tree.path_to(to).iter().any(|node| node.id == running.reply_parent);
-            if !on_new_path {
-                tracing::info!(turn_id = %running.turn_id, "the head moved off the running turn's branch; cancelling it");
-                running.cancel.cancel();
-            }
-        }
+        self.stop_if_branch_left(hub, &conversation.id, to, head_version).await?;
         Ok(head_version)
     }
 

@@ -10,7 +10,6 @@ use std::time::Instant;
 use arbor_core::event::{DonePayload, ErrorPayload};
 use arbor_core::ids::{new_id, now_millis};
 use arbor_core::message::NodeStatus;
-use arbor_core::tree::Tree;
 use arbor_core::{Cost, ErrorCode, EventName, Message, Node, ProviderError, Usage};
 use arbor_providers::{ChatRequest, Chunk, Collected};
 use arbor_store::{ApiCall, Conversation, Turn, TurnStatus, User};
@@ -246,15 +245,7 @@ impl TurnTask {
 
     /// Runs the model call and records it. Returns the assistant message.
     async fn drive(&mut self) -> Result<Option<Node>, arbor_store::StoreError> {
-        let version = self.conversation.head_version;
-        let tree = match self.hub.cached_tree(version) {
-            Some(tree) => tree,
-            None => {
-                let tree = Arc::new(Tree::new(self.inner.store.messages(&self.conversation.id).await?));
-                self.hub.cache_tree(version, tree.clone());
-                tree
-            }
-        };
+        let tree = self.inner.tree(&self.hub, &self.conversation.id, self.conversation.head_version).await?;
         let path: Vec<Message> = tree
             .path_to(&self.turn.user_message_id)
             .into_iter()

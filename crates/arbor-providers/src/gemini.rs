@@ -89,12 +89,7 @@ impl GeminiProvider {
         if let Some(key) = &self.config.api_key {
             request = request.header("x-goog-api-key", key);
         }
-        let response = request.send().await.map_err(|error| crate::http::transport_error(&error))?;
-        if response.status().is_success() {
-            Ok(response)
-        } else {
-            Err(error_from_response(&ErrorResponse::read(response).await))
-        }
+        crate::http::send(request, error_from_response).await
     }
 }
 

@@ -182,6 +182,16 @@ impl ErrorResponse {
     }
 }
 
+/// Sends a request; a success status passes the response on, any other
+/// becomes the adapter's error (`to_error` reads the provider's error body).
+pub async fn send(
+    request: reqwest::RequestBuilder,
+    to_error: fn(&ErrorResponse) -> ProviderError,
+) -> Result<reqwest::Response, ProviderError> {
+    let response = request.send().await.map_err(|error| transport_error(&error))?;
+    if response.status().is_success() { Ok(response) } else { Err(to_error(&ErrorResponse::read(response).await)) }
+}
+
 /// A failure to send the request or to receive the response headers.
 pub fn transport_error(error: &reqwest::Error) -> ProviderError {
     let code = if error.is_timeout() {

@@ -197,12 +197,7 @@ impl OpenAiProvider {
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key);
         }
-        let response = builder.send().await.map_err(|error| http::transport_error(&error))?;
-        if response.status().is_success() {
-            Ok(response)
-        } else {
-            Err(error_from_response(&ErrorResponse::read(response).await))
-        }
+        crate::http::send(builder, error_from_response).await
     }
 }
 
