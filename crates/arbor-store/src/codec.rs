@@ -1,10 +1,11 @@
 //! Translation between the record types and database columns, shared by the
 //! SQLite and PostgreSQL stores so both read and write rows the same way.
 //!
-//! The decoders are generic over the row type: both backends store the same
-//! column names with types sqlx maps to the same Rust types (`String`, `i64`,
-//! `bool`), so one decoder per record serves both and the two stores cannot
-//! drift apart in how, say, a tool call is parsed back.
+//! The decoders read rows through [`RowSource`], which both backends' row
+//! types implement (sqlx's PostgreSQL rows, rusqlite's SQLite rows): both
+//! schemas store the same column names as the same Rust types (`String`,
+//! `i64`, `bool`), so one decoder per record serves both and the two stores
+//! cannot drift apart in how, say, a tool call is parsed back.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -13,8 +14,8 @@ use arbor_core::message::NodeStatus;
 use arbor_core::{Event, EventName, Message, Node, Part, Role, ToolCall, ToolStatus, Usage};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sqlx::SqlSafeStr;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::{ColumnIndex, Decode, Row, SqlSafeStr, Type};
 
 use crate::{ApiCall, Conversation, LedgerEntry, StoreError, StoreResult, Turn, TurnStatus, User};
 
@@ -91,27 +92,79 @@ impl NodeColumns {
     }
 }
 
-/// Reads one column, naming it in the error when it fails.
-fn get<'r, R, T>(row: &'r R, column: &str) -> StoreResult<T>
-where
-    R: Row,
-    for<'c> &'c str: ColumnIndex<R>,
-    T: Decode<'r, R::Database> + Type<R::Database>,
-{
-    row.try_get(column).map_err(|error| StoreError::Database(format!("cannot read column {column}: {error}")))
+/// A database row whose columns can be read by name as the few types the
+/// schemas use. Each backend implements it for its own row type.
+pub(crate) trait RowSource {
+    fn text(&self, column: &str) -> StoreResult<String>;
+    fn optional_text(&self, column: &str) -> StoreResult<Option<String>>;
+    fn integer(&self, column: &str) -> StoreResult<i64>;
+    fn optional_integer(&self, column: &str) -> StoreResult<Option<i64>>;
+    fn flag(&self, column: &str) -> StoreResult<bool>;
 }
+
+/// A type a [`RowSource`] column can be read as.
+pub(crate) trait FromColumn: Sized {
+    fn read(row: &impl RowSource, column: &str) -> StoreResult<Self>;
+}
+
+macro_rules! from_column {
+    ($($type:ty => $method:ident),* $(,)?) => {
+        $(impl FromColumn for $type {
+            fn read(row: &impl RowSource, column: &str) -> StoreResult<Self> {
+                row.$method(column)
+            }
+        })*
+    };
+}
+
+from_column! {
+    String => text,
+    Option<String> => optional_text,
+    i64 => integer,
+    Option<i64> => optional_integer,
+    bool => flag,
+}
+
+/// The error for a column that cannot be read, naming it.
+pub(crate) fn column_error(column: &str, error: impl std::fmt::Display) -> StoreError {
+    StoreError::Database(format!("cannot read column {column}: {error}"))
+}
+
+/// Reads one column, naming it in the error when it fails.
+fn get<T: FromColumn>(row: &impl RowSource, column: &str) -> StoreResult<T> {
+    T::read(row, column)
+}
+
+/// A row is read the same way whatever the type read.
+macro_rules! row_source {
+    ($row:ty, $get:path) => {
+        impl RowSource for $row {
+            fn text(&self, column: &str) -> StoreResult<String> {
+                $get(self, column).map_err(|error| column_error(column, error))
+            }
+            fn optional_text(&self, column: &str) -> StoreResult<Option<String>> {
+                $get(self, column).map_err(|error| column_error(column, error))
+            }
+            fn integer(&self, column: &str) -> StoreResult<i64> {
+                $get(self, column).map_err(|error| column_error(column, error))
+            }
+            fn optional_integer(&self, column: &str) -> StoreResult<Option<i64>> {
+                $get(self, column).map_err(|error| column_error(column, error))
+            }
+            fn flag(&self, column: &str) -> StoreResult<bool> {
+                $get(self, column).map_err(|error| column_error(column, error))
+            }
+        }
+    };
+}
+
+row_source!(sqlx::postgres::PgRow, sqlx::Row::try_get);
+row_source!(rusqlite::Row<'_>, rusqlite::Row::get);
 
 macro_rules! decoders {
     ($($name:ident($row:ident) -> $out:ty $body:block)*) => {
         $(
-            pub(crate) fn $name<R>($row: &R) -> StoreResult<$out>
-            where
-                R: Row,
-                for<'c> &'c str: ColumnIndex<R>,
-                for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
-                for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
-                for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
-            $body
+            pub(crate) fn $name($row: &impl RowSource) -> StoreResult<$out> $body
         )*
     };
 }

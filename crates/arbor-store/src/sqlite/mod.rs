@@ -1,0 +1,1389 @@
+//! The SQLite store: Arbor's embedded default, one file on the local disk and
+//! no service to run.
+//!
+//! SQLite allows one writer at a time. Rather than let several connections
+//! race for the write lock (and fail with `SQLITE_BUSY` when a read
+//! transaction tries to upgrade), every write of this process runs on one
+//! connection, owned by one thread, and starts with `BEGIN IMMEDIATE`; reads
+//! run on a few other connections, each on a thread of its own, and thanks
+//! to WAL never wait for the writer. A store call is one job for one of
+//! those threads (see [`worker`]). The busy timeout still covers other
+//! processes (`arbor users add` while the server runs). Because all writes
+//! of this process are serialized, each invariant the engine relies on (one
+//! running turn, quota, unique message ids) also holds by the database's own
+//! constraints, exactly as on PostgreSQL.
+
+mod worker;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Weak};
+use std::time::Duration;
+
+use arbor_core::ids::Millis;
+use arbor_core::{Event, Node};
+use async_trait::async_trait;
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, ffi, params};
+use tokio::sync::broadcast;
+
+use self::worker::Workers;
+use crate::codec::{self, NodeColumns, to_i64};
+use crate::*;
+
+/// How long a statement waits for another process's write lock before
+/// failing with "database is locked".
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Notices a slow listener may fall behind by before it is told it lagged.
+const NOTICE_BUFFER: usize = 1024;
+
+/// Prepared statements each connection keeps (every statement of this
+/// module fits, so none is ever prepared twice).
+const STATEMENT_CACHE: usize = 64;
+
+/// The schema, embedded in the binary so `arbor serve` needs no files beside
+/// it. Versions are the file name prefixes; a landed file is never edited.
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../../migrations/sqlite/0001_initial.sql")),
+    (2, "turn pending messages", include_str!("../../migrations/sqlite/0002_turn_pending_messages.sql")),
+];
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(error: rusqlite::Error) -> StoreError {
+        let rusqlite::Error::SqliteFailure(failure, message) = &error else {
+            return match error {
+                rusqlite::Error::QueryReturnedNoRows => StoreError::NotFound,
+                error => StoreError::Database(error.to_string()),
+            };
+        };
+        match failure.extended_code {
+            ffi::SQLITE_CONSTRAINT_UNIQUE | ffi::SQLITE_CONSTRAINT_PRIMARYKEY => {
+                let message = message.clone().unwrap_or_else(|| error.to_string());
+                // The partial unique index that allows one running turn per
+                // conversation names just that column.
+                if message.ends_with("turns.conversation_id") {
+                    StoreError::Conflict("the conversation already has a running turn".into())
+                } else {
+                    StoreError::Conflict(message)
+                }
+            }
+            // A row that points at a missing one: the conversation, user or
+            // parent message named does not exist.
+            ffi::SQLITE_CONSTRAINT_FOREIGNKEY => StoreError::NotFound,
+            _ => StoreError::Database(error.to_string()),
+        }
+    }
+}
+
+/// Where a `sqlite:` URL points.
+#[derive(Debug, PartialEq, Eq)]
+enum Location {
+    File(PathBuf),
+    /// `sqlite::memory:`: a private database that lives as long as the store
+    /// (tests and throwaway runs).
+    Memory,
+}
+
+fn parse_url(url: &str) -> StoreResult<Location> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .ok_or_else(|| StoreError::Database(format!("{url:?} is not a sqlite:// url")))?;
+    // Connection parameters (`?mode=…`) are Arbor's to choose, not the URL's.
+    let path = rest.split('?').next().unwrap_or_default();
+    match path {
+        "" => Err(StoreError::Database(format!("{url:?} names no file: use sqlite://PATH"))),
+        ":memory:" => Ok(Location::Memory),
+        path => Ok(Location::File(PathBuf::from(path))),
+    }
+}
+
+/// A SQLite database behind the [`Store`] trait.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    /// One connection: every write of this process, serialized.
+    writer: Workers,
+    /// Several connections for reads, which WAL lets run beside the writer.
+    reader: Workers,
+    /// Notices stay in this process: a SQLite database serves one node.
+    notices: broadcast::Sender<Notice>,
+    /// Keeps the WAL checkpointing thread running while any clone of the
+    /// store lives (it holds only a weak reference).
+    _alive: Arc<()>,
+}
+
+impl SqliteStore {
+    /// Opens (creating the file and its folder if missing) the database at
+    /// `sqlite://PATH`, or a private in-memory one for `sqlite::memory:`,
+    /// and applies the migrations it lacks.
+    pub async fn open(url: &str) -> StoreResult<SqliteStore> {
+        let location = parse_url(url)?;
+        let store = match location {
+            Location::Memory => {
+                // Each in-memory connection is its own database, so one
+                // connection serves both roles.
+                let connection = Connection::open_in_memory()?;
+                configure(&connection)?;
+                let workers = start("arbor-sqlite", vec![connection])?;
+                SqliteStore {
+                    writer: workers.clone(),
+                    reader: workers,
+                    notices: broadcast::channel(NOTICE_BUFFER).0,
+                    _alive: Arc::new(()),
+                }
+            }
+            Location::File(path) => Self::open_file(path).await?,
+        };
+        let url = url.to_string();
+        store
+            .writer
+            .run(move |connection| {
+                migrate(connection).map_err(|error| StoreError::Database(format!("migrating {url:?}: {error}")))
+            })
+            .await?;
+        Ok(store)
+    }
+
+    async fn open_file(path: PathBuf) -> StoreResult<SqliteStore> {
+        if let Some(parent) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|error| StoreError::Database(format!("cannot create {}: {error}", parent.display())))?;
+        }
+        // Opening runs file system calls and the WAL switch: not on the
+        // async threads.
+        let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 4);
+        let (writer, reader_connections, checkpointer) = tokio::task::spawn_blocking(move || {
+            let writer = open_connection(&path)?;
+            // A checkpoint copies the WAL into the database file and fsyncs
+            // both, which takes milliseconds on a real disk. SQLite runs one
+            // inside the commit that grows the WAL past 1,000 pages, so that
+            // write, and every write queued behind it on the single writer,
+            // waits for two fsyncs: that was the benchmark's p99 (see
+            // bench/REPORT.md). So the writer never checkpoints; a thread
+            // does, on a connection of its own, in PASSIVE mode, which never
+            // takes the write lock. Durability is unchanged: a commit is in
+            // the WAL either way, and the checkpoint only moves it.
+            writer.pragma_update(None, "wal_autocheckpoint", 0)?;
+            let readers = (0..readers).map(|_| open_connection(&path)).collect::<StoreResult<Vec<_>>>()?;
+            Ok::<_, StoreError>((writer, readers, open_connection(&path)?))
+        })
+        .await
+        .map_err(|error| StoreError::Database(format!("opening the database failed: {error}")))??;
+        let alive = Arc::new(());
+        let watched = Arc::downgrade(&alive);
+        std::thread::Builder::new()
+            .name("arbor-sqlite-checkpoint".into())
+            .spawn(move || checkpoint_wal(&checkpointer, &watched))
+            .map_err(thread_error)?;
+        Ok(SqliteStore {
+            writer: start("arbor-sqlite-writer", vec![writer])?,
+            reader: start("arbor-sqlite-reader", reader_connections)?,
+            notices: broadcast::channel(NOTICE_BUFFER).0,
+            _alive: alive,
+        })
+    }
+
+    /// Runs `body` in a write transaction on the writer thread. The
+    /// transaction holds the write lock from its first statement, so it
+    /// never has to upgrade (and fail) half way through; it commits when
+    /// `body` succeeds and rolls back otherwise.
+    async fn write<T, F>(&self, body: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        self.writer
+            .run(move |connection| {
+                let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let value = body(&transaction)?;
+                transaction.commit()?;
+                Ok(value)
+            })
+            .await
+    }
+
+    /// Runs `body` on a reader thread.
+    async fn read<T, F>(&self, body: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        self.reader.run(move |connection| body(connection)).await
+    }
+}
+
+fn thread_error(error: std::io::Error) -> StoreError {
+    StoreError::Database(format!("cannot start a SQLite thread: {error}"))
+}
+
+fn start(name: &str, connections: Vec<Connection>) -> StoreResult<Workers> {
+    Workers::start(name, connections).map_err(thread_error)
+}
+
+/// Opens a connection to a database file in WAL mode.
+fn open_connection(path: &Path) -> StoreResult<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let connection = Connection::open_with_flags(path, flags)?;
+    configure(&connection)?;
+    // WAL: readers never block the writer nor the writer readers.
+    let mode: String = connection.pragma_update_and_check(None, "journal_mode", "wal", |row| row.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Database(format!("{} cannot use WAL (journal mode {mode})", path.display())));
+    }
+    // NORMAL is durable across application crashes in WAL mode; only a
+    // power loss can drop the last commits, never corrupt the file.
+    connection.pragma_update(None, "synchronous", "normal")?;
+    Ok(connection)
+}
+
+/// Settings every connection needs, file or memory.
+fn configure(connection: &Connection) -> StoreResult<()> {
+    connection.busy_timeout(BUSY_TIMEOUT)?;
+    connection.pragma_update(None, "foreign_keys", true)?;
+    connection.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    Ok(())
+}
+
+/// Applies the migrations the database lacks, each in its own transaction.
+/// The version applied last is the database's `user_version`. A database
+/// migrated by an earlier Arbor (which kept sqlx's `_sqlx_migrations`
+/// table) starts from the versions recorded there.
+fn migrate(connection: &mut Connection) -> StoreResult<()> {
+    let mut version: i64 = connection.pragma_query_value(None, "user_version", |row| row.get(0))?;
+    if version == 0 {
+        let migrated_by_sqlx: bool = connection.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+            [],
+            |row| row.get(0),
+        )?;
+        if migrated_by_sqlx {
+            let earlier: Option<i64> =
+                connection
+                    .query_row("SELECT MAX(version) FROM _sqlx_migrations WHERE success", [], |row| row.get(0))?;
+            version = earlier.unwrap_or(0);
+        }
+    }
+    for &(number, description, sql) in MIGRATIONS.iter().filter(|(number, ..)| *number > version) {
+        let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        transaction
+            .execute_batch(sql)
+            .map_err(|error| StoreError::Database(format!("migration {number} ({description}): {error}")))?;
+        transaction.pragma_update(None, "user_version", number)?;
+        transaction.commit()?;
+    }
+    Ok(())
+}
+
+/// How often the WAL is checkpointed (see `open_file`).
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+
+/// Checkpoints the WAL every [`CHECKPOINT_EVERY`] until the store is gone.
+/// PASSIVE copies what no reader still needs and never waits for a lock;
+/// the next write after a complete checkpoint starts the WAL over, so it
+/// stays small.
+fn checkpoint_wal(connection: &Connection, alive: &Weak<()>) {
+    loop {
+        std::thread::sleep(CHECKPOINT_EVERY);
+        if alive.strong_count() == 0 {
+            break;
+        }
+        if let Err(error) = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+            tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed");
+        }
+    }
+}
+
+const NODE_INSERT: &str =
+    concat!("INSERT INTO messages (", node_columns!(), ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+
+/// The same insert, but an existing node with the id is updated in place
+/// (its identity and place in the tree stay as they were).
+const NODE_UPSERT: &str = concat!(
+    "INSERT INTO messages (",
+    node_columns!(),
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+     ON CONFLICT (conversation_id, id) DO UPDATE SET \
+     content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
+     tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
+     tool_status = excluded.tool_status, model = excluded.model, \
+     provider = excluded.provider, status = excluded.status"
+);
+
+fn insert_node(connection: &Connection, statement: &'static str, node: &Node) -> StoreResult<()> {
+    let columns = NodeColumns::new(node)?;
+    connection.prepare_cached(statement)?.execute(params![
+        node.conversation_id,
+        node.id,
+        node.parent_id,
+        node.message.role.as_str(),
+        node.message.content,
+        columns.parts,
+        columns.tool_calls,
+        node.message.tool_call_id,
+        node.message.tool_name,
+        columns.tool_status,
+        node.model,
+        node.provider,
+        node.turn_id,
+        node.copied_from,
+        node.status.as_str(),
+        node.created_at,
+    ])?;
+    Ok(())
+}
+
+/// Row counts of the multi-row event inserts, largest first. A batch is
+/// split greedily into these (27 events: 16 + 8 + 2 + 1), so a handful of
+/// fixed statements, each prepared once per connection, store any batch.
+const EVENT_INSERT_ROWS: [usize; 6] = [32, 16, 8, 4, 2, 1];
+
+/// `INSERT INTO events ... VALUES (...), (...)` with `rows` rows of bound
+/// parameters (at most 32 × 6 = 192, well under SQLite's limit).
+fn event_insert(rows: usize) -> &'static str {
+    static STATEMENTS: LazyLock<Vec<String>> = LazyLock::new(|| {
+        EVENT_INSERT_ROWS
+            .iter()
+            .map(|&rows| {
+                let values = vec!["(?, ?, ?, ?, ?, ?)"; rows].join(", ");
+                format!(concat!("INSERT INTO events (", event_columns!(), ") VALUES {}"), values)
+            })
+            .collect()
+    });
+    let index = EVENT_INSERT_ROWS.iter().position(|&size| size == rows).unwrap_or(EVENT_INSERT_ROWS.len() - 1);
+    &STATEMENTS[index]
+}
+
+/// Inserts events in a few multi-row statements rather than one statement
+/// per event: fewer statements to step through for a streamed turn's few
+/// dozen events.
+fn insert_events(connection: &Connection, events: &[Event]) -> StoreResult<()> {
+    let mut rest = events;
+    while !rest.is_empty() {
+        let rows = EVENT_INSERT_ROWS.iter().copied().find(|&size| size <= rest.len()).unwrap_or(1);
+        let (chunk, tail) = rest.split_at(rows);
+        let mut statement = connection.prepare_cached(event_insert(rows))?;
+        for (index, event) in chunk.iter().enumerate() {
+            let first = index * 6 + 1;
+            statement.raw_bind_parameter(first, &*event.conversation_id)?;
+            statement.raw_bind_parameter(first + 1, event.seq)?;
+            statement.raw_bind_parameter(first + 2, event.turn_id.as_deref())?;
+            statement.raw_bind_parameter(first + 3, event.name.as_str())?;
+            statement.raw_bind_parameter(first + 4, &*event.data)?;
+            statement.raw_bind_parameter(first + 5, event.created_at)?;
+        }
+        statement.raw_execute()?;
+        rest = tail;
+    }
+    Ok(())
+}
+
+/// Sets a conversation's head to `head_id`, returning the new head version;
+/// `NotFound` when the conversation does not exist.
+fn advance_head(
+    connection: &Connection,
+    conversation_id: &str,
+    head_id: Option<&str>,
+    updated_at: Millis,
+) -> StoreResult<i64> {
+    let version = connection
+        .prepare_cached(
+            "UPDATE conversations SET head_id = ?, head_version = head_version + 1, updated_at = ? \
+             WHERE id = ? RETURNING head_version",
+        )?
+        .query_row(params![head_id, updated_at, conversation_id], |row| row.get(0))
+        .optional()?;
+    version.ok_or(StoreError::NotFound)
+}
+
+/// The head version of a conversation; `NotFound` when it does not exist.
+fn head_version(connection: &Connection, conversation_id: &str) -> StoreResult<i64> {
+    let version = connection
+        .prepare_cached("SELECT head_version FROM conversations WHERE id = ?")?
+        .query_row([conversation_id], |row| row.get(0))
+        .optional()?;
+    version.ok_or(StoreError::NotFound)
+}
+
+/// Stores a model call, its message and its charge, inside the caller's
+/// transaction (shared by `record_call`, `settle_reservation` and
+/// `finish_turn`).
+fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
+    if let Some(node) = message {
+        insert_node(connection, NODE_UPSERT, node)?;
+    }
+    connection
+        .prepare_cached(concat!(
+            "INSERT INTO api_calls (",
+            api_call_columns!(),
+            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        ))?
+        .execute(params![
+            call.id,
+            call.turn_id,
+            call.conversation_id,
+            call.user_id,
+            call.kind,
+            call.provider,
+            call.model,
+            to_i64(call.usage.input_tokens),
+            to_i64(call.usage.output_tokens),
+            to_i64(call.usage.thinking_tokens),
+            to_i64(call.usage.cached_tokens),
+            to_i64(call.usage.cache_write_tokens),
+            to_i64(call.latency_ms),
+            call.ttft_ms.map(to_i64),
+            call.status,
+            call.error_code,
+            to_i64(call.cost_micro_usd),
+            call.created_at,
+        ])?;
+    let credits = to_i64(call.cost_micro_usd);
+    // The deduction is one statement, so it reads and writes the balance
+    // under the same lock: concurrent charges add up, none is lost. A
+    // NULL (unlimited) balance stays NULL.
+    let balance_after: Option<Option<i64>> = connection
+        .prepare_cached(
+            "UPDATE users SET balance_credits = balance_credits - ? WHERE id = ? RETURNING balance_credits",
+        )?
+        .query_row(params![credits, call.user_id], |row| row.get(0))
+        .optional()?;
+    let balance_after = balance_after.ok_or(StoreError::NotFound)?;
+    let entry = LedgerEntry {
+        // One charge per call, so the call's id names its ledger row too
+        // and the store invents no id of its own.
+        id: call.id.clone(),
+        user_id: call.user_id.clone(),
+        api_call_id: call.id.clone(),
+        credits,
+        balance_after,
+        created_at: call.created_at,
+    };
+    connection
+        .prepare_cached(concat!("INSERT INTO cost_ledger (", ledger_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))?
+        .execute(params![
+            entry.id,
+            entry.user_id,
+            entry.api_call_id,
+            entry.credits,
+            entry.balance_after,
+            entry.created_at
+        ])?;
+    Ok(entry)
+}
+
+/// Gives a reservation's credits back, inside the caller's transaction.
+/// Returns whether the reservation still existed.
+fn release(connection: &Connection, reservation_id: &str) -> StoreResult<bool> {
+    let released: Option<(String, i64)> = connection
+        .prepare_cached("DELETE FROM credit_reservations WHERE id = ? RETURNING user_id, credits")?
+        .query_row([reservation_id], |row| Ok((row.get(0)?, row.get(1)?)))
+        .optional()?;
+    let Some((user_id, credits)) = released else {
+        return Ok(false);
+    };
+    connection
+        .prepare_cached("UPDATE users SET reserved_credits = MAX(reserved_credits - ?, 0) WHERE id = ?")?
+        .execute(params![credits, user_id])?;
+    Ok(true)
+}
+
+fn insert_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
+    connection
+        .prepare_cached(concat!(
+            "INSERT INTO turns (",
+            turn_columns!(),
+            ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        ))?
+        .execute(params![
+            turn.id,
+            turn.conversation_id,
+            turn.user_id,
+            turn.user_message_id,
+            turn.status.as_str(),
+            turn.model,
+            i64::from(turn.iterations),
+            to_i64(turn.usage.input_tokens),
+            to_i64(turn.usage.output_tokens),
+            to_i64(turn.usage.thinking_tokens),
+            to_i64(turn.usage.cached_tokens),
+            to_i64(turn.usage.cache_write_tokens),
+            to_i64(turn.cost_micro_usd),
+            turn.reply_message_id,
+            turn.error_code,
+            turn.error_message,
+            turn.created_at,
+            turn.started_at,
+            turn.finished_at,
+            codec::pending_json(turn),
+        ])?;
+    Ok(())
+}
+
+/// Writes a turn's status, totals, error and times.
+fn update_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
+    let changed = connection
+        .prepare_cached(
+            "UPDATE turns SET status = ?, model = ?, iterations = ?, input_tokens = ?, \
+             output_tokens = ?, thinking_tokens = ?, cached_tokens = ?, cache_write_tokens = ?, \
+             cost_micro_usd = ?, reply_message_id = ?, error_code = ?, error_message = ?, \
+             started_at = ?, finished_at = ?, pending_messages = ? WHERE conversation_id = ? AND id = ?",
+        )?
+        .execute(params![
+            turn.status.as_str(),
+            turn.model,
+            i64::from(turn.iterations),
+            to_i64(turn.usage.input_tokens),
+            to_i64(turn.usage.output_tokens),
+            to_i64(turn.usage.thinking_tokens),
+            to_i64(turn.usage.cached_tokens),
+            to_i64(turn.usage.cache_write_tokens),
+            to_i64(turn.cost_micro_usd),
+            turn.reply_message_id,
+            turn.error_code,
+            turn.error_message,
+            turn.started_at,
+            turn.finished_at,
+            codec::pending_json(turn),
+            turn.conversation_id,
+            turn.id,
+        ])?;
+    if changed == 0 {
+        return Err(StoreError::NotFound);
+    }
+    Ok(())
+}
+
+/// The first row a statement returns, decoded; `None` when it returns none.
+fn query_one<T>(
+    connection: &Connection,
+    sql: &str,
+    parameters: impl rusqlite::Params,
+    decode: impl Fn(&rusqlite::Row<'_>) -> StoreResult<T>,
+) -> StoreResult<Option<T>> {
+    let mut statement = connection.prepare_cached(sql)?;
+    let mut rows = statement.query(parameters)?;
+    rows.next()?.map(decode).transpose()
+}
+
+/// Every row a statement returns, decoded.
+fn query_all<T>(
+    connection: &Connection,
+    sql: &str,
+    parameters: impl rusqlite::Params,
+    decode: impl Fn(&rusqlite::Row<'_>) -> StoreResult<T>,
+) -> StoreResult<Vec<T>> {
+    let mut statement = connection.prepare_cached(sql)?;
+    let mut rows = statement.query(parameters)?;
+    let mut decoded = Vec::new();
+    while let Some(row) = rows.next()? {
+        decoded.push(decode(row)?);
+    }
+    Ok(decoded)
+}
+
+/// The statement's rows changed, as a `NotFound` when none.
+fn changed_one(changed: usize) -> StoreResult<()> {
+    if changed == 0 { Err(StoreError::NotFound) } else { Ok(()) }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn create_user(&self, user: &User) -> StoreResult<()> {
+        let user = user.clone();
+        self.write(move |connection| {
+            connection
+                .prepare_cached(
+                    "INSERT INTO users (id, name, is_admin, balance_credits, created_at) VALUES (?, ?, ?, ?, ?)",
+                )?
+                .execute(params![user.id, user.name, user.is_admin, user.balance_credits, user.created_at])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
+        let name = name.to_string();
+        self.read(move |connection| {
+            query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE name = ?"), [name], |row| {
+                codec::user_from_row(row)
+            })
+        })
+        .await
+    }
+
+    async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
+        let user_id = user_id.to_string();
+        self.read(move |connection| {
+            query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE id = ?"), [user_id], |row| {
+                codec::user_from_row(row)
+            })
+        })
+        .await
+    }
+
+    async fn count_users(&self) -> StoreResult<u64> {
+        self.read(|connection| {
+            let count: i64 =
+                connection.prepare_cached("SELECT COUNT(*) FROM users")?.query_row([], |row| row.get(0))?;
+            Ok(codec::to_u64(count))
+        })
+        .await
+    }
+
+    async fn create_api_key(&self, key: &ApiKey) -> StoreResult<()> {
+        let key = key.clone();
+        self.write(move |connection| {
+            connection
+                .prepare_cached(
+                    "INSERT INTO api_keys (id, user_id, key_hash, prefix, created_at) VALUES (?, ?, ?, ?, ?)",
+                )?
+                .execute(params![key.id, key.user_id, key.key_hash, key.prefix, key.created_at])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn user_by_key_hash(&self, key_hash: &str) -> StoreResult<Option<User>> {
+        let key_hash = key_hash.to_string();
+        self.read(move |connection| {
+            query_one(
+                connection,
+                "SELECT users.id, users.name, users.is_admin, users.balance_credits, \
+                 users.created_at FROM api_keys JOIN users ON users.id = api_keys.user_id \
+                 WHERE api_keys.key_hash = ? AND api_keys.revoked_at IS NULL",
+                [key_hash],
+                |row| codec::user_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn create_conversation(&self, conversation: &Conversation) -> StoreResult<()> {
+        let conversation = conversation.clone();
+        self.write(move |connection| {
+            connection
+                .prepare_cached(concat!(
+                    "INSERT INTO conversations (",
+                    conversation_columns!(),
+                    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                ))?
+                .execute(params![
+                    conversation.id,
+                    conversation.owner_id,
+                    conversation.title,
+                    conversation.system_prompt,
+                    conversation.preset_id,
+                    conversation.model,
+                    conversation.head_id,
+                    conversation.head_version,
+                    conversation.summary,
+                    conversation.created_at,
+                    conversation.updated_at,
+                ])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<Option<Conversation>> {
+        let (owner_id, conversation_id) = (owner_id.to_string(), conversation_id.to_string());
+        self.read(move |connection| {
+            query_one(
+                connection,
+                concat!("SELECT ", conversation_columns!(), " FROM conversations WHERE owner_id = ? AND id = ?"),
+                [owner_id, conversation_id],
+                |row| codec::conversation_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn list_conversations(
+        &self,
+        owner_id: &str,
+        cursor: Option<&ConversationCursor>,
+        limit: u32,
+    ) -> StoreResult<Vec<Conversation>> {
+        let owner_id = owner_id.to_string();
+        let cursor = cursor.cloned();
+        // Keyset pagination on the (owner_id, created_at DESC, id DESC)
+        // index: a page costs the same however deep it is.
+        self.read(move |connection| match cursor {
+            None => query_all(
+                connection,
+                concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    " FROM conversations WHERE owner_id = ? ORDER BY created_at DESC, id DESC LIMIT ?"
+                ),
+                params![owner_id, i64::from(limit)],
+                |row| codec::conversation_from_row(row),
+            ),
+            Some(cursor) => query_all(
+                connection,
+                concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    " FROM conversations WHERE owner_id = ? AND (created_at, id) < (?, ?) \
+                     ORDER BY created_at DESC, id DESC LIMIT ?"
+                ),
+                params![owner_id, cursor.created_at, cursor.id, i64::from(limit)],
+                |row| codec::conversation_from_row(row),
+            ),
+        })
+        .await
+    }
+
+    async fn update_conversation(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+        update: &ConversationUpdate,
+    ) -> StoreResult<Conversation> {
+        let (owner_id, conversation_id, update) = (owner_id.to_string(), conversation_id.to_string(), update.clone());
+        self.write(move |connection| {
+            query_one(
+                connection,
+                concat!(
+                    "UPDATE conversations SET title = COALESCE(?, title), \
+                     system_prompt = COALESCE(?, system_prompt), model = COALESCE(?, model), \
+                     updated_at = ? WHERE owner_id = ? AND id = ? RETURNING ",
+                    conversation_columns!()
+                ),
+                params![update.title, update.system_prompt, update.model, update.updated_at, owner_id, conversation_id],
+                |row| codec::conversation_from_row(row),
+            )?
+            .ok_or(StoreError::NotFound)
+        })
+        .await
+    }
+
+    async fn delete_conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<()> {
+        let (owner_id, conversation_id) = (owner_id.to_string(), conversation_id.to_string());
+        // Messages, turns and events go with it (ON DELETE CASCADE); api
+        // calls and the ledger stay, as billing history.
+        self.write(move |connection| {
+            changed_one(
+                connection
+                    .prepare_cached("DELETE FROM conversations WHERE owner_id = ? AND id = ?")?
+                    .execute([owner_id, conversation_id])?,
+            )
+        })
+        .await
+    }
+
+    async fn set_head(
+        &self,
+        conversation_id: &str,
+        head_id: Option<&str>,
+        expected_version: Option<i64>,
+        updated_at: Millis,
+    ) -> StoreResult<i64> {
+        let (conversation_id, head_id) = (conversation_id.to_string(), head_id.map(str::to_string));
+        self.write(move |connection| {
+            let current = head_version(connection, &conversation_id)?;
+            if let Some(expected) = expected_version
+                && expected != current
+            {
+                return Err(StoreError::HeadVersionMismatch { current });
+            }
+            if let Some(head_id) = &head_id {
+                let exists = connection
+                    .prepare_cached("SELECT 1 FROM messages WHERE conversation_id = ? AND id = ?")?
+                    .exists([&conversation_id, head_id])?;
+                if !exists {
+                    return Err(StoreError::NotFound);
+                }
+            }
+            advance_head(connection, &conversation_id, head_id.as_deref(), updated_at)
+        })
+        .await
+    }
+
+    async fn append_messages(&self, nodes: &[Node], updated_at: Millis) -> StoreResult<i64> {
+        codec::batch_target(nodes)?;
+        let nodes = nodes.to_vec();
+        self.write(move |connection| {
+            let (conversation_id, last_id) = codec::batch_target(&nodes)?;
+            for node in &nodes {
+                insert_node(connection, NODE_INSERT, node)?;
+            }
+            advance_head(connection, conversation_id, Some(last_id), updated_at)
+        })
+        .await
+    }
+
+    async fn messages(&self, conversation_id: &str) -> StoreResult<Vec<Node>> {
+        let conversation_id = conversation_id.to_string();
+        self.read(move |connection| {
+            query_all(
+                connection,
+                concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? ORDER BY seq"),
+                [conversation_id],
+                |row| codec::node_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>> {
+        let (conversation_id, message_id) = (conversation_id.to_string(), message_id.to_string());
+        self.read(move |connection| {
+            query_one(
+                connection,
+                concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? AND id = ?"),
+                [conversation_id, message_id],
+                |row| codec::node_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn update_message(&self, node: &Node) -> StoreResult<()> {
+        let node = node.clone();
+        self.write(move |connection| {
+            let columns = NodeColumns::new(&node)?;
+            changed_one(
+                connection
+                    .prepare_cached(
+                        "UPDATE messages SET content = ?, parts = ?, tool_calls = ?, tool_call_id = ?, \
+                         tool_name = ?, tool_status = ?, model = ?, provider = ?, status = ? \
+                         WHERE conversation_id = ? AND id = ?",
+                    )?
+                    .execute(params![
+                        node.message.content,
+                        columns.parts,
+                        columns.tool_calls,
+                        node.message.tool_call_id,
+                        node.message.tool_name,
+                        columns.tool_status,
+                        node.model,
+                        node.provider,
+                        node.status.as_str(),
+                        node.conversation_id,
+                        node.id,
+                    ])?,
+            )
+        })
+        .await
+    }
+
+    async fn insert_turn(&self, turn: &Turn) -> StoreResult<()> {
+        let turn = turn.clone();
+        self.write(move |connection| insert_turn(connection, &turn)).await
+    }
+
+    async fn update_turn(&self, turn: &Turn) -> StoreResult<()> {
+        let turn = turn.clone();
+        self.write(move |connection| update_turn(connection, &turn)).await
+    }
+
+    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64> {
+        let (turn, nodes) = (turn.clone(), nodes.to_vec());
+        self.write(move |connection| {
+            let updated = if queued_row { update_turn(connection, &turn) } else { Err(StoreError::NotFound) };
+            match updated {
+                Ok(()) => {}
+                Err(StoreError::NotFound) => insert_turn(connection, &turn)?,
+                Err(error) => return Err(error),
+            }
+            if nodes.is_empty() {
+                return head_version(connection, &turn.conversation_id);
+            }
+            let (conversation_id, last_id) = codec::batch_target(&nodes)?;
+            for node in &nodes {
+                insert_node(connection, NODE_INSERT, node)?;
+            }
+            advance_head(connection, conversation_id, Some(last_id), updated_at)
+        })
+        .await
+    }
+
+    async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
+        let (conversation_id, turn_id) = (conversation_id.to_string(), turn_id.to_string());
+        self.read(move |connection| {
+            query_one(
+                connection,
+                concat!("SELECT ", turn_columns!(), " FROM turns WHERE conversation_id = ? AND id = ?"),
+                [conversation_id, turn_id],
+                |row| codec::turn_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>> {
+        // SQLite has no array parameters: the statuses travel as one JSON
+        // array, unpacked by json_each, so the statement stays static.
+        let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
+        let names = serde_json::to_string(&names).map_err(|error| StoreError::Database(error.to_string()))?;
+        self.read(move |connection| {
+            query_all(
+                connection,
+                concat!(
+                    "SELECT ",
+                    turn_columns!(),
+                    " FROM turns WHERE status IN (SELECT value FROM json_each(?)) ORDER BY created_at, id"
+                ),
+                [names],
+                |row| codec::turn_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
+        let (call, message) = (call.clone(), message.cloned());
+        self.write(move |connection| charge_call(connection, &call, message.as_ref())).await
+    }
+
+    async fn finish_turn(
+        &self,
+        turn: &Turn,
+        call: &ApiCall,
+        reply: Option<&Node>,
+        reservation_id: Option<&str>,
+        updated_at: Millis,
+    ) -> StoreResult<(LedgerEntry, Option<i64>)> {
+        let (turn, call, reply) = (turn.clone(), call.clone(), reply.cloned());
+        let reservation_id = reservation_id.map(str::to_string);
+        self.write(move |connection| {
+            if let Some(reservation_id) = &reservation_id {
+                release(connection, reservation_id)?;
+            }
+            let entry = charge_call(connection, &call, reply.as_ref())?;
+            let head_version = match &reply {
+                Some(node) => Some(advance_head(connection, &node.conversation_id, Some(&node.id), updated_at)?),
+                None => None,
+            };
+            update_turn(connection, &turn)?;
+            Ok((entry, head_version))
+        })
+        .await
+    }
+
+    async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {
+        let turn_id = turn_id.to_string();
+        self.read(move |connection| {
+            query_all(
+                connection,
+                concat!("SELECT ", api_call_columns!(), " FROM api_calls WHERE turn_id = ? ORDER BY created_at, id"),
+                [turn_id],
+                |row| codec::api_call_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn ledger(&self, user_id: &str, limit: u32) -> StoreResult<Vec<LedgerEntry>> {
+        let user_id = user_id.to_string();
+        self.read(move |connection| {
+            query_all(
+                connection,
+                concat!(
+                    "SELECT ",
+                    ledger_columns!(),
+                    " FROM cost_ledger WHERE user_id = ? ORDER BY created_at DESC, id DESC LIMIT ?"
+                ),
+                params![user_id, i64::from(limit)],
+                |row| codec::ledger_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn set_balance(&self, user_id: &str, balance: Option<i64>) -> StoreResult<()> {
+        let user_id = user_id.to_string();
+        self.write(move |connection| {
+            changed_one(
+                connection
+                    .prepare_cached("UPDATE users SET balance_credits = ? WHERE id = ?")?
+                    .execute(params![balance, user_id])?,
+            )
+        })
+        .await
+    }
+
+    async fn append_events(&self, events: &[Event]) -> StoreResult<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let events = events.to_vec();
+        self.write(move |connection| insert_events(connection, &events)).await
+    }
+
+    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
+        let (conversation_id, events) = (conversation_id.to_string(), events.to_vec());
+        // The write transaction is the lock: no other writer can number
+        // events between the read of the last seq and the commit.
+        self.write(move |connection| {
+            let last: Option<i64> = connection
+                .prepare_cached(
+                    "SELECT (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?1) \
+                     FROM conversations WHERE id = ?1",
+                )?
+                .query_row([&conversation_id], |row| row.get(0))
+                .optional()?;
+            let last = last.ok_or(StoreError::NotFound)?;
+            let numbered = codec::number_events(&conversation_id, last, &events);
+            insert_events(connection, &numbered)?;
+            Ok(numbered)
+        })
+        .await
+    }
+
+    async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
+        let conversation_id = conversation_id.to_string();
+        self.read(move |connection| {
+            query_all(
+                connection,
+                concat!(
+                    "SELECT ",
+                    event_columns!(),
+                    " FROM events WHERE conversation_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+                ),
+                params![conversation_id, after, i64::from(limit)],
+                |row| codec::event_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
+        let conversation_id = conversation_id.to_string();
+        self.read(move |connection| {
+            Ok(connection
+                .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?")?
+                .query_row([conversation_id], |row| row.get(0))?)
+        })
+        .await
+    }
+
+    async fn notify(&self, notice: &Notice) -> StoreResult<()> {
+        // No listener is not an error: nobody is waiting for this wake-up.
+        let _ = self.notices.send(notice.clone());
+        Ok(())
+    }
+
+    async fn listen(&self) -> StoreResult<broadcast::Receiver<Notice>> {
+        Ok(self.notices.subscribe())
+    }
+
+    async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
+        let reservation = reservation.clone();
+        self.write(move |connection| {
+            // The check and the hold are one statement, so no other
+            // reservation or charge can slip between them.
+            let held: Option<Option<i64>> = connection
+                .prepare_cached(
+                    "UPDATE users SET reserved_credits = reserved_credits + ? \
+                     WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?) \
+                     RETURNING balance_credits - reserved_credits",
+                )?
+                .query_row(params![reservation.credits, reservation.user_id, reservation.credits], |row| row.get(0))
+                .optional()?;
+            let Some(available_after) = held else {
+                let available = available_credits(connection, &reservation.user_id)?;
+                return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
+            };
+            connection
+                .prepare_cached(
+                    "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
+                     VALUES (?, ?, ?, ?, ?)",
+                )?
+                .execute(params![
+                    reservation.id,
+                    reservation.user_id,
+                    reservation.credits,
+                    reservation.created_at,
+                    reservation.expires_at,
+                ])?;
+            Ok(ReserveOutcome::Reserved { available_after })
+        })
+        .await
+    }
+
+    async fn settle_reservation(
+        &self,
+        reservation_id: &str,
+        call: &ApiCall,
+        message: Option<&Node>,
+    ) -> StoreResult<LedgerEntry> {
+        let (reservation_id, call, message) = (reservation_id.to_string(), call.clone(), message.cloned());
+        self.write(move |connection| {
+            release(connection, &reservation_id)?;
+            charge_call(connection, &call, message.as_ref())
+        })
+        .await
+    }
+
+    async fn release_reservation(&self, reservation_id: &str) -> StoreResult<bool> {
+        let reservation_id = reservation_id.to_string();
+        self.write(move |connection| release(connection, &reservation_id)).await
+    }
+
+    async fn release_expired_reservations(&self, now: Millis) -> StoreResult<u64> {
+        self.write(move |connection| {
+            let expired = connection
+                .prepare_cached("SELECT id FROM credit_reservations WHERE expires_at <= ?")?
+                .query_map([now], |row| row.get::<_, String>(0))?
+                .collect::<Result<Vec<_>, _>>()?;
+            for id in &expired {
+                release(connection, id)?;
+            }
+            Ok(expired.len() as u64)
+        })
+        .await
+    }
+
+    async fn available_credits(&self, user_id: &str) -> StoreResult<Option<i64>> {
+        let user_id = user_id.to_string();
+        self.read(move |connection| available_credits(connection, &user_id)).await
+    }
+
+    async fn renew_lease(&self, turn_id: &str, owner: &str, expires_at: Millis) -> StoreResult<bool> {
+        let (turn_id, owner) = (turn_id.to_string(), owner.to_string());
+        self.write(move |connection| {
+            let changed = connection
+                .prepare_cached(
+                    "UPDATE turns SET lease_owner = ?1, lease_expires_at = ?2 \
+                     WHERE id = ?3 AND status = 'running' AND (lease_owner IS NULL OR lease_owner = ?1)",
+                )?
+                .execute(params![owner, expires_at, turn_id])?;
+            Ok(changed == 1)
+        })
+        .await
+    }
+
+    async fn expired_running_turns(&self, now: Millis) -> StoreResult<Vec<Turn>> {
+        self.read(move |connection| {
+            query_all(
+                connection,
+                concat!(
+                    "SELECT ",
+                    turn_columns!(),
+                    " FROM turns WHERE status = 'running' AND lease_expires_at <= ? ORDER BY created_at, id"
+                ),
+                [now],
+                |row| codec::turn_from_row(row),
+            )
+        })
+        .await
+    }
+
+    async fn take_over_turn(&self, turn_id: &str, owner: &str, now: Millis, expires_at: Millis) -> StoreResult<bool> {
+        let (turn_id, owner) = (turn_id.to_string(), owner.to_string());
+        // The expiry is re-checked in the update itself: of several nodes
+        // racing for the turn, the first one's new lease fails the others.
+        self.write(move |connection| {
+            let changed = connection
+                .prepare_cached(
+                    "UPDATE turns SET lease_owner = ?, lease_expires_at = ? \
+                     WHERE id = ? AND status = 'running' AND lease_expires_at <= ?",
+                )?
+                .execute(params![owner, expires_at, turn_id, now])?;
+            Ok(changed == 1)
+        })
+        .await
+    }
+
+    async fn turn_lease(&self, turn_id: &str) -> StoreResult<Option<(String, Millis)>> {
+        let turn_id = turn_id.to_string();
+        self.read(move |connection| {
+            let row: Option<(Option<String>, Option<i64>)> = connection
+                .prepare_cached("SELECT lease_owner, lease_expires_at FROM turns WHERE id = ?")?
+                .query_row([turn_id], |row| Ok((row.get(0)?, row.get(1)?)))
+                .optional()?;
+            Ok(match row {
+                Some((Some(owner), Some(expires_at))) => Some((owner, expires_at)),
+                _ => None,
+            })
+        })
+        .await
+    }
+}
+
+/// Credits a user may still reserve; `NotFound` for an unknown user.
+fn available_credits(connection: &Connection, user_id: &str) -> StoreResult<Option<i64>> {
+    let available: Option<Option<i64>> = connection
+        .prepare_cached("SELECT balance_credits - reserved_credits FROM users WHERE id = ?")?
+        .query_row([user_id], |row| row.get(0))
+        .optional()?;
+    available.ok_or(StoreError::NotFound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_a_file_or_memory() {
+        assert_eq!(parse_url("sqlite://./data/arbor.db").ok(), Some(Location::File(PathBuf::from("./data/arbor.db"))));
+        assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc").ok(), Some(Location::File(PathBuf::from("/tmp/a.db"))));
+        assert_eq!(parse_url("sqlite::memory:").ok(), Some(Location::Memory));
+        assert!(parse_url("sqlite://").is_err());
+        assert!(parse_url("postgres://x").is_err());
+    }
+
+    /// Runs `sql` (one row, one column) on every writer and reader thread.
+    async fn on_every_connection(store: &SqliteStore, sql: &'static str) -> Vec<i64> {
+        let mut values = vec![store.writer.run(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap()];
+        // Readers are interchangeable; enough calls reach each of them.
+        for _ in 0..16 {
+            values.push(store.read(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap());
+        }
+        values
+    }
+
+    #[tokio::test]
+    async fn files_open_in_wal_mode_with_foreign_keys() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", folder.path().join("a.db").display());
+        let store = SqliteStore::open(&url).await.expect("opens");
+        let modes = store
+            .read(|c| Ok(c.query_row("PRAGMA journal_mode", [], |row| row.get::<_, String>(0))?))
+            .await
+            .expect("journal mode");
+        assert_eq!(modes, "wal");
+        assert!(on_every_connection(&store, "PRAGMA foreign_keys").await.iter().all(|&on| on == 1));
+        // NORMAL is 1.
+        assert!(on_every_connection(&store, "PRAGMA synchronous").await.iter().all(|&level| level == 1));
+    }
+
+    #[test]
+    fn event_inserts_have_one_row_of_parameters_per_event() {
+        for rows in EVENT_INSERT_ROWS {
+            assert_eq!(event_insert(rows).matches('?').count(), rows * 6, "{rows} rows");
+        }
+    }
+
+    fn owner() -> User {
+        User { id: "u".into(), name: "u".into(), is_admin: false, balance_credits: None, created_at: 1 }
+    }
+
+    #[tokio::test]
+    async fn event_batches_of_any_size_are_stored_whole_and_in_order() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
+        store.create_user(&owner()).await.expect("user");
+        let conversation = Conversation {
+            id: "c".into(),
+            owner_id: "u".into(),
+            title: None,
+            system_prompt: None,
+            preset_id: None,
+            model: "m".into(),
+            head_id: None,
+            head_version: 0,
+            summary: None,
+            created_at: 1,
+            updated_at: 1,
+        };
+        store.create_conversation(&conversation).await.expect("conversation");
+        let event = |seq: i64| Event {
+            seq,
+            conversation_id: "c".into(),
+            turn_id: (seq % 2 == 0).then(|| "t".into()),
+            name: arbor_core::EventName::Delta,
+            data: format!("{{\"n\":{seq}}}").into(),
+            created_at: seq,
+        };
+        // 1 + 2 + 64 + 27: single rows, full chunks and a mixed remainder.
+        let mut next = 1;
+        for size in [1, 2, 64, 27] {
+            let batch: Vec<Event> = (next..next + size).map(event).collect();
+            store.append_events(&batch).await.expect("appends");
+            next += size;
+        }
+        let stored = store.events_after("c", 0, 1000).await.expect("reads");
+        assert_eq!(stored.iter().map(|event| event.seq).collect::<Vec<_>>(), (1..next).collect::<Vec<_>>());
+        assert!(stored.iter().all(|stored| *stored == event(stored.seq)), "every column round-trips");
+
+        // A batch with a taken seq is refused whole.
+        let clash: Vec<Event> = (next..next + 40).chain([5]).map(event).collect();
+        assert!(matches!(store.append_events(&clash).await, Err(StoreError::Conflict(_))));
+        assert_eq!(store.last_event_seq("c").await.expect("reads"), next - 1);
+    }
+
+    #[tokio::test]
+    async fn the_writer_leaves_checkpoints_to_the_background_thread() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let path = folder.path().join("a.db");
+        let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens");
+        let automatic: i64 = store
+            .writer
+            .run(|c| Ok(c.query_row("PRAGMA wal_autocheckpoint", [], |row| row.get(0))?))
+            .await
+            .expect("reads");
+        assert_eq!(automatic, 0, "the writer never checkpoints in its commits");
+        store.create_user(&owner()).await.expect("writes");
+        // An immutable connection reads the database file alone, without the
+        // WAL: it sees the row only once a checkpoint has copied it there.
+        let file_only = format!("file:{}?immutable=1", path.display());
+        let mut checkpointed = false;
+        for _ in 0..50 {
+            tokio::time::sleep(CHECKPOINT_EVERY).await;
+            let connection =
+                Connection::open_with_flags(&file_only, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_URI)
+                    .expect("opens");
+            let users: i64 =
+                connection.query_row("SELECT count(*) FROM users WHERE id = 'u'", [], |row| row.get(0)).unwrap_or(0);
+            if users == 1 {
+                checkpointed = true;
+                break;
+            }
+        }
+        assert!(checkpointed, "the background thread copied the commit into the database file");
+    }
+
+    #[tokio::test]
+    async fn memory_databases_keep_their_rows_while_open() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let user = User { id: "u".into(), name: "n".into(), is_admin: true, balance_credits: None, created_at: 1 };
+        store.create_user(&user).await.expect("create");
+        assert_eq!(store.user("u").await.expect("read"), Some(user));
+        assert_eq!(store.count_users().await.expect("count"), 1);
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_rolls_back_everything_it_did() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
+        store.create_user(&owner()).await.expect("user");
+        let result: StoreResult<()> = store
+            .write(|connection| {
+                connection.execute("UPDATE users SET name = 'changed'", [])?;
+                Err(StoreError::Conflict("stop".into()))
+            })
+            .await;
+        assert!(result.is_err());
+        assert_eq!(store.user("u").await.expect("reads").map(|user| user.name), Some("u".to_string()));
+    }
+
+    #[tokio::test]
+    async fn databases_migrated_by_sqlx_are_not_migrated_again() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let path = folder.path().join("old.db");
+        {
+            // The shape an earlier Arbor left: the schema and sqlx's table.
+            let connection = Connection::open(&path).expect("opens");
+            for (_, _, sql) in MIGRATIONS {
+                connection.execute_batch(sql).expect("schema");
+            }
+            connection
+                .execute_batch(
+                    "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, success BOOLEAN NOT NULL); \
+                     INSERT INTO _sqlx_migrations VALUES (1, TRUE), (2, TRUE); \
+                     INSERT INTO users (id, name, is_admin, created_at) VALUES ('u', 'kept', 0, 1);",
+                )
+                .expect("sqlx table");
+        }
+        let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens again");
+        assert_eq!(store.user("u").await.expect("reads").map(|user| user.name), Some("kept".to_string()));
+        let version: i64 =
+            store.read(|c| Ok(c.query_row("PRAGMA user_version", [], |row| row.get(0))?)).await.expect("reads");
+        assert_eq!(version, 0, "nothing was applied, so the version was not written");
+        drop(store);
+        // Opening once more still finds everything in place.
+        let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens a third time");
+        assert_eq!(store.count_users().await.expect("counts"), 1);
+    }
+}
