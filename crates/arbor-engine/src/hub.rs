@@ -25,8 +25,12 @@ use crate::turn::TurnOutcome;
 use crate::writer::EventWriter;
 
 /// Live viewers may fall this many events behind before they resynchronise
-/// from the recent buffer and the store.
-const BROADCAST_CAPACITY: usize = 1024;
+/// from the recent buffer and the store. The channel allocates every slot
+/// (about 100 bytes each) when the hub is made, and a hub outlives its last
+/// turn by `HUB_IDLE` (lib.rs): at 1024 slots the hubs of a busy minute were
+/// most of the process's memory in the benchmark. A viewer that keeps up
+/// is never more than a few events behind; one that lags resyncs.
+const BROADCAST_CAPACITY: usize = 128;
 /// Recent events kept in memory once stored (unstored ones are always kept).
 const RECENT_KEPT: usize = 4096;
 /// What stays of them once a turn has ended.
