@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, ffi, params};
 use tokio::sync::broadcast;
 
-use self::worker::Workers;
+use self::worker::{Readers, Writer};
 use crate::codec::{self, NodeColumns, to_i64};
 use crate::*;
 
@@ -35,6 +35,17 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Notices a slow listener may fall behind by before it is told it lagged.
 const NOTICE_BUFFER: usize = 1024;
+
+/// WAL pages (4 KiB each, so 64 MiB) past which the writer checkpoints
+/// after a commit and the WAL starts over (see [`worker`]). Each such
+/// checkpoint pauses writes for a few milliseconds; at a benchmark's write
+/// rate (~130 MB of WAL a second) 64 MiB kept the pauses out of the 99th
+/// percentile, where 16 MiB did not (bench/REPORT.md).
+const WAL_RESTART_PAGES: std::ffi::c_int = 16384;
+
+/// The WAL file is cut back to this many bytes when it starts over after
+/// having grown past it (a burst of writes).
+const WAL_SIZE_LIMIT: i64 = 128 * 1024 * 1024;
 
 /// Prepared statements each connection keeps (every statement of this
 /// module fits, so none is ever prepared twice).
@@ -101,9 +112,10 @@ fn parse_url(url: &str) -> StoreResult<Location> {
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     /// One connection: every write of this process, serialized.
-    writer: Workers,
-    /// Several connections for reads, which WAL lets run beside the writer.
-    reader: Workers,
+    writer: Writer,
+    /// Several connections for reads, which WAL lets run beside the writer
+    /// (`None` for an in-memory database: its one connection does both).
+    reader: Option<Readers>,
     /// Notices stay in this process: a SQLite database serves one node.
     notices: broadcast::Sender<Notice>,
     /// Keeps the WAL checkpointing thread running while any clone of the
@@ -116,44 +128,37 @@ impl SqliteStore {
     /// `sqlite://PATH`, or a private in-memory one for `sqlite::memory:`,
     /// and applies the migrations it lacks.
     pub async fn open(url: &str) -> StoreResult<SqliteStore> {
-        let location = parse_url(url)?;
-        let store = match location {
+        match parse_url(url)? {
             Location::Memory => {
                 // Each in-memory connection is its own database, so one
                 // connection serves both roles.
-                let connection = Connection::open_in_memory()?;
-                configure(&connection)?;
-                let workers = start("arbor-sqlite", vec![connection])?;
-                SqliteStore {
-                    writer: workers.clone(),
-                    reader: workers,
+                let connection = blocking(|| {
+                    let mut connection = Connection::open_in_memory()?;
+                    configure(&connection)?;
+                    migrate(&mut connection)?;
+                    Ok(connection)
+                })
+                .await?;
+                Ok(SqliteStore {
+                    writer: Writer::start("arbor-sqlite", connection, None).map_err(thread_error)?,
+                    reader: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
                     _alive: Arc::new(()),
-                }
+                })
             }
-            Location::File(path) => Self::open_file(path).await?,
-        };
-        let url = url.to_string();
-        store
-            .writer
-            .run(move |connection| {
-                migrate(connection).map_err(|error| StoreError::Database(format!("migrating {url:?}: {error}")))
-            })
-            .await?;
-        Ok(store)
+            Location::File(path) => Self::open_file(path, WAL_RESTART_PAGES).await,
+        }
     }
 
-    async fn open_file(path: PathBuf) -> StoreResult<SqliteStore> {
+    async fn open_file(path: PathBuf, wal_limit: std::ffi::c_int) -> StoreResult<SqliteStore> {
         if let Some(parent) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
             tokio::fs::create_dir_all(parent)
                 .await
                 .map_err(|error| StoreError::Database(format!("cannot create {}: {error}", parent.display())))?;
         }
-        // Opening runs file system calls and the WAL switch: not on the
-        // async threads.
         let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 4);
-        let (writer, reader_connections, checkpointer) = tokio::task::spawn_blocking(move || {
-            let writer = open_connection(&path)?;
+        let (writer, reader_connections, checkpointer) = blocking(move || {
+            let mut writer = open_connection(&path)?;
             // A checkpoint copies the WAL into the database file and fsyncs
             // both, which takes milliseconds on a real disk. SQLite runs one
             // inside the commit that grows the WAL past 1,000 pages, so that
@@ -164,11 +169,12 @@ impl SqliteStore {
             // takes the write lock. Durability is unchanged: a commit is in
             // the WAL either way, and the checkpoint only moves it.
             writer.pragma_update(None, "wal_autocheckpoint", 0)?;
+            writer.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
+            migrate(&mut writer)?;
             let readers = (0..readers).map(|_| open_connection(&path)).collect::<StoreResult<Vec<_>>>()?;
-            Ok::<_, StoreError>((writer, readers, open_connection(&path)?))
+            Ok((writer, readers, open_connection(&path)?))
         })
-        .await
-        .map_err(|error| StoreError::Database(format!("opening the database failed: {error}")))??;
+        .await?;
         let alive = Arc::new(());
         let watched = Arc::downgrade(&alive);
         std::thread::Builder::new()
@@ -176,30 +182,24 @@ impl SqliteStore {
             .spawn(move || checkpoint_wal(&checkpointer, &watched))
             .map_err(thread_error)?;
         Ok(SqliteStore {
-            writer: start("arbor-sqlite-writer", vec![writer])?,
-            reader: start("arbor-sqlite-reader", reader_connections)?,
+            writer: Writer::start("arbor-sqlite-writer", writer, Some(wal_limit)).map_err(thread_error)?,
+            reader: Some(Readers::start("arbor-sqlite-reader", reader_connections).map_err(thread_error)?),
             notices: broadcast::channel(NOTICE_BUFFER).0,
             _alive: alive,
         })
     }
 
-    /// Runs `body` in a write transaction on the writer thread. The
-    /// transaction holds the write lock from its first statement, so it
-    /// never has to upgrade (and fail) half way through; it commits when
-    /// `body` succeeds and rolls back otherwise.
+    /// Runs `body` in a write transaction on the writer thread and returns
+    /// once that transaction is committed (see [`worker`]: it may be
+    /// committed with other writes). The transaction holds the write lock
+    /// from its start, so it never has to upgrade (and fail) half way
+    /// through; nothing `body` did is kept when it fails.
     async fn write<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        self.writer
-            .run(move |connection| {
-                let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                let value = body(&transaction)?;
-                transaction.commit()?;
-                Ok(value)
-            })
-            .await
+        self.writer.write(body).await
     }
 
     /// Runs `body` on a reader thread.
@@ -208,16 +208,23 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        self.reader.run(move |connection| body(connection)).await
+        match &self.reader {
+            Some(reader) => reader.run(body).await,
+            None => self.writer.write(body).await,
+        }
     }
+}
+
+/// Runs blocking SQLite work (opening files, migrating) off the async
+/// threads.
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> StoreResult<T> + Send + 'static) -> StoreResult<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|error| StoreError::Database(format!("the SQLite task failed: {error}")))?
 }
 
 fn thread_error(error: std::io::Error) -> StoreError {
     StoreError::Database(format!("cannot start a SQLite thread: {error}"))
-}
-
-fn start(name: &str, connections: Vec<Connection>) -> StoreResult<Workers> {
-    Workers::start(name, connections).map_err(thread_error)
 }
 
 /// Opens a connection to a database file in WAL mode.
@@ -267,28 +274,38 @@ fn migrate(connection: &mut Connection) -> StoreResult<()> {
         let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
         transaction
             .execute_batch(sql)
-            .map_err(|error| StoreError::Database(format!("migration {number} ({description}): {error}")))?;
+            .map_err(|error| StoreError::Database(format!("migration {number} ({description}) failed: {error}")))?;
         transaction.pragma_update(None, "user_version", number)?;
         transaction.commit()?;
     }
     Ok(())
 }
 
-/// How often the WAL is checkpointed (see `open_file`).
-const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+/// How often the WAL is checkpointed while writes come in (see
+/// `open_file`): often, so that what the writer has left to copy when it
+/// starts the WAL over stays small.
+const CHECKPOINT_BUSY: Duration = Duration::from_millis(10);
+/// How often it is looked at while no writes come.
+const CHECKPOINT_IDLE: Duration = Duration::from_millis(200);
 
-/// Checkpoints the WAL every [`CHECKPOINT_EVERY`] until the store is gone.
-/// PASSIVE copies what no reader still needs and never waits for a lock;
-/// the next write after a complete checkpoint starts the WAL over, so it
-/// stays small.
+/// Checkpoints the WAL until the store is gone. PASSIVE copies what no
+/// reader still needs and never waits for a lock. The WAL starts over only
+/// from the writer (see [`worker`]), which then has little left to copy.
 fn checkpoint_wal(connection: &Connection, alive: &Weak<()>) {
+    let mut last_frames = 0;
+    let mut pause = CHECKPOINT_IDLE;
     loop {
-        std::thread::sleep(CHECKPOINT_EVERY);
+        std::thread::sleep(pause);
         if alive.strong_count() == 0 {
             break;
         }
-        if let Err(error) = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
-            tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed");
+        // (busy, frames in the WAL, frames copied)
+        match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(1)) {
+            Ok(frames) => {
+                pause = if frames == last_frames { CHECKPOINT_IDLE } else { CHECKPOINT_BUSY };
+                last_frames = frames;
+            }
+            Err(error) => tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed"),
         }
     }
 }
@@ -1227,7 +1244,7 @@ mod tests {
 
     /// Runs `sql` (one row, one column) on every writer and reader thread.
     async fn on_every_connection(store: &SqliteStore, sql: &'static str) -> Vec<i64> {
-        let mut values = vec![store.writer.run(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap()];
+        let mut values = vec![store.write(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap()];
         // Readers are interchangeable; enough calls reach each of them.
         for _ in 0..16 {
             values.push(store.read(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap());
@@ -1309,11 +1326,8 @@ mod tests {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("a.db");
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens");
-        let automatic: i64 = store
-            .writer
-            .run(|c| Ok(c.query_row("PRAGMA wal_autocheckpoint", [], |row| row.get(0))?))
-            .await
-            .expect("reads");
+        let automatic: i64 =
+            store.write(|c| Ok(c.query_row("PRAGMA wal_autocheckpoint", [], |row| row.get(0))?)).await.expect("reads");
         assert_eq!(automatic, 0, "the writer never checkpoints in its commits");
         store.create_user(&owner()).await.expect("writes");
         // An immutable connection reads the database file alone, without the
@@ -1321,7 +1335,7 @@ mod tests {
         let file_only = format!("file:{}?immutable=1", path.display());
         let mut checkpointed = false;
         for _ in 0..50 {
-            tokio::time::sleep(CHECKPOINT_EVERY).await;
+            tokio::time::sleep(CHECKPOINT_IDLE).await;
             let connection =
                 Connection::open_with_flags(&file_only, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_URI)
                     .expect("opens");
@@ -1356,6 +1370,68 @@ mod tests {
             .await;
         assert!(result.is_err());
         assert_eq!(store.user("u").await.expect("reads").map(|user| user.name), Some("u".to_string()));
+    }
+
+    /// Writes sent together are committed together; one that fails must
+    /// take nothing of the others with it, and keep nothing of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_write_among_concurrent_ones_loses_only_itself() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store =
+            SqliteStore::open(&format!("sqlite://{}", folder.path().join("a.db").display())).await.expect("opens");
+        let writes: Vec<_> = (0..200)
+            .map(|n: i64| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    store
+                        .write(move |connection| {
+                            connection.execute(
+                                "INSERT INTO users (id, name, is_admin, created_at) VALUES (?1, ?1, 0, 1)",
+                                [format!("u{n}")],
+                            )?;
+                            if n % 3 == 0 { Err(StoreError::Conflict(format!("refused {n}"))) } else { Ok(n) }
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for (n, write) in (0..).zip(writes) {
+            match write.await.expect("joins") {
+                Ok(answer) => assert_eq!(answer, n),
+                Err(StoreError::Conflict(reason)) => assert_eq!(reason, format!("refused {n}")),
+                Err(error) => panic!("write {n}: {error}"),
+            }
+        }
+        for n in 0..200 {
+            let stored = store.user(&format!("u{n}")).await.expect("reads").is_some();
+            assert_eq!(stored, n % 3 != 0, "user u{n}");
+        }
+    }
+
+    /// Under steady writes the WAL starts over once past its limit rather
+    /// than growing with everything ever written.
+    #[tokio::test]
+    async fn the_wal_stays_bounded_under_steady_writes() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let path = folder.path().join("a.db");
+        // A limit of 64 pages (256 KiB), so a test can pass it many times.
+        let store = SqliteStore::open_file(path.clone(), 64).await.expect("opens");
+        store.create_user(&owner()).await.expect("user");
+        let content = "x".repeat(8 * 1024);
+        // 3,000 writes of 8 KiB: 24 MiB through the WAL.
+        for n in 0..3000 {
+            let content = content.clone();
+            store
+                .write(move |connection| {
+                    connection.execute("UPDATE users SET name = ?1 WHERE id = 'u'", [format!("{n}{content}")])?;
+                    Ok(())
+                })
+                .await
+                .expect("writes");
+        }
+        let wal = std::fs::metadata(folder.path().join("a.db-wal")).expect("a WAL").len();
+        assert!(wal < 4 * 1024 * 1024, "the WAL is {wal} bytes after 24 MiB of writes");
+        assert!(store.user("u").await.expect("reads").is_some_and(|user| user.name.starts_with("2999")));
     }
 
     #[tokio::test]

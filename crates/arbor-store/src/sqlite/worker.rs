@@ -2,12 +2,35 @@
 //!
 //! SQLite's API is blocking. A connection lives on a thread of its own and
 //! the async side hands it whole jobs — a closure that runs every statement
-//! of one store call, transaction included — and awaits one reply. A turn's
-//! write is then one hand-off each way, however many statements it holds;
-//! with a connection that crosses threads per statement (as sqlx's does) the
-//! same write was a dozen, and those switches were most of Arbor's time in
-//! the benchmark's profile (bench/REPORT.md).
+//! of one store call — and awaits one reply. A turn's write is then one
+//! hand-off each way, however many statements it holds; with a connection
+//! that crosses threads per statement (as sqlx's does) the same write was a
+//! dozen, and those switches were most of Arbor's time in the benchmark's
+//! profile (bench/REPORT.md).
+//!
+//! Writes are also committed in groups. Each commit appends every page it
+//! changed to the WAL and takes and drops the file locks, so at a few
+//! thousand small transactions a second the writer spent its time in the
+//! kernel writing the same hot pages (the newest rows of each table, the
+//! user's balance) again and again. The writer thread takes every write
+//! waiting when it is free, runs each in a savepoint of one transaction, and
+//! commits once: a write that fails is rolled back to its savepoint alone,
+//! and no write is answered before the commit that holds it is durable.
+//! When writes arrive one at a time, each is its own group.
+//!
+//! The writer also keeps the WAL from growing without end. A background
+//! thread copies committed pages into the database file (see `mod.rs`), but
+//! SQLite starts the WAL over only when a write transaction begins while
+//! every frame in it has been copied — and under steady load the writer
+//! commits and begins again within microseconds, so that moment never came
+//! and the WAL grew by gigabytes (and every commit paid for the kernel
+//! allocating fresh file pages). So once the WAL passes a limit, the writer
+//! itself checkpoints right after a commit (its callers already answered):
+//! the background thread has copied nearly everything, the rest is little,
+//! and the next transaction starts the WAL over.
 
+use std::cell::Cell;
+use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -17,23 +40,26 @@ use tokio::sync::oneshot;
 
 use crate::{StoreError, StoreResult};
 
-type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+/// Writes committed together at most.
+const MAX_GROUP: usize = 64;
 
-/// A queue of jobs served by one or more threads, each with its own
+type ReadJob = Box<dyn FnOnce(&Connection) + Send>;
+
+/// A queue of reads served by one or more threads, each with its own
 /// connection. Cloning shares the queue; the threads stop (closing their
 /// connections) once every clone is gone and the queue is drained.
 #[derive(Clone, Debug)]
-pub(super) struct Workers {
-    jobs: mpsc::Sender<Job>,
+pub(super) struct Readers {
+    jobs: mpsc::Sender<ReadJob>,
 }
 
-impl Workers {
+impl Readers {
     /// Starts one thread per connection, all taking jobs from one queue in
     /// arrival order.
-    pub fn start(name: &str, connections: Vec<Connection>) -> std::io::Result<Workers> {
-        let (jobs, queue) = mpsc::channel::<Job>();
+    pub fn start(name: &str, connections: Vec<Connection>) -> std::io::Result<Readers> {
+        let (jobs, queue) = mpsc::channel::<ReadJob>();
         let queue = Arc::new(Mutex::new(queue));
-        for (index, mut connection) in connections.into_iter().enumerate() {
+        for (index, connection) in connections.into_iter().enumerate() {
             let queue = queue.clone();
             std::thread::Builder::new().name(format!("{name}-{index}")).spawn(move || {
                 loop {
@@ -47,31 +73,175 @@ impl Workers {
                     let Ok(job) = job else { return };
                     // A panicking job (a bug) loses its own reply, which its
                     // caller sees as an error; the thread serves on.
-                    let _ = catch_unwind(AssertUnwindSafe(|| job(&mut connection)));
+                    let _ = catch_unwind(AssertUnwindSafe(|| job(&connection)));
                 }
             })?;
         }
-        Ok(Workers { jobs })
+        Ok(Readers { jobs })
     }
 
     /// Runs `job` on one of the threads and returns its result.
     pub async fn run<T, F>(&self, job: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&mut Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
         let (reply, result) = oneshot::channel();
         self.jobs
-            .send(Box::new(move |connection: &mut Connection| {
+            .send(Box::new(move |connection: &Connection| {
                 // The caller may have stopped waiting (a cancelled request):
                 // the work is done all the same, only the answer is dropped.
                 let _ = reply.send(job(connection));
             }))
-            .map_err(|_| closed())?;
-        result.await.map_err(|_| closed())?
+            .map_err(|_| no_answer())?;
+        result.await.map_err(|_| no_answer())?
     }
 }
 
-fn closed() -> StoreError {
+/// What a write that succeeded waits for: the outcome of the commit that
+/// holds it (`Err` with the reason when that commit failed).
+type Committed = Box<dyn FnOnce(Result<(), String>) + Send>;
+
+/// A write. Given the connection inside the group's transaction, it runs
+/// and returns what to do once committed, or `None` when it failed (it has
+/// answered its caller then, and its changes are rolled back). Given an
+/// error (the group's transaction could not begin), it answers with it.
+type WriteJob = Box<dyn FnOnce(Result<&Connection, &str>) -> Option<Committed> + Send>;
+
+thread_local! {
+    /// Pages in the WAL after the last commit on this thread's connection.
+    static WAL_PAGES: Cell<c_int> = const { Cell::new(0) };
+}
+
+/// SQLite calls this after each commit in WAL mode, on the committing
+/// thread.
+fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
+    WAL_PAGES.set(pages);
+    Ok(())
+}
+
+/// The one thread that writes, with its connection.
+#[derive(Clone, Debug)]
+pub(super) struct Writer {
+    jobs: mpsc::Sender<WriteJob>,
+}
+
+impl Writer {
+    /// Starts the writer. With `wal_limit` (pages; a database file in WAL
+    /// mode), the writer checkpoints after a commit that leaves the WAL
+    /// longer.
+    pub fn start(name: &str, connection: Connection, wal_limit: Option<c_int>) -> std::io::Result<Writer> {
+        let (jobs, queue) = mpsc::channel::<WriteJob>();
+        if wal_limit.is_some() {
+            connection.wal_hook(Some(note_wal_pages));
+        }
+        std::thread::Builder::new().name(name.to_string()).spawn(move || {
+            while let Ok(first) = queue.recv() {
+                let mut group = vec![first];
+                while group.len() < MAX_GROUP
+                    && let Ok(job) = queue.try_recv()
+                {
+                    group.push(job);
+                }
+                commit_group(&connection, group);
+                if let Some(limit) = wal_limit
+                    && WAL_PAGES.get() > limit
+                {
+                    WAL_PAGES.set(0);
+                    if let Err(error) = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                        tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed");
+                    }
+                }
+            }
+        })?;
+        Ok(Writer { jobs })
+    }
+
+    /// Runs `body` in a write transaction (committed with whatever other
+    /// writes were waiting) and returns its result once that transaction
+    /// is committed. When `body` fails, nothing it did is kept.
+    pub async fn write<T, F>(&self, body: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let (reply, result) = oneshot::channel::<StoreResult<T>>();
+        self.jobs
+            .send(Box::new(move |connection: Result<&Connection, &str>| {
+                let outcome = match connection {
+                    Ok(connection) => body(connection),
+                    Err(reason) => Err(StoreError::Database(reason.to_string())),
+                };
+                match outcome {
+                    Ok(value) => Some(Box::new(move |committed: Result<(), String>| {
+                        let _ = reply.send(committed.map(|()| value).map_err(StoreError::Database));
+                    }) as Committed),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                        None
+                    }
+                }
+            }))
+            .map_err(|_| no_answer())?;
+        result.await.map_err(|_| no_answer())?
+    }
+}
+
+/// Runs a group of writes in one transaction, each in a savepoint, commits,
+/// and tells the writes that succeeded how the commit went.
+fn commit_group(connection: &Connection, group: Vec<WriteJob>) {
+    let mut waiting: Vec<Committed> = Vec::with_capacity(group.len());
+    for job in group {
+        let began = if connection.is_autocommit() { execute(connection, "BEGIN IMMEDIATE") } else { Ok(()) };
+        if let Err(error) = began.and_then(|()| execute(connection, "SAVEPOINT write")) {
+            let _ = catch_unwind(AssertUnwindSafe(|| job(Err(&format!("cannot begin a write: {error}")))));
+            continue;
+        }
+        // A panic (a bug) counts as a failure: its caller gets no answer.
+        let committed = catch_unwind(AssertUnwindSafe(|| job(Ok(connection)))).ok().flatten();
+        if connection.is_autocommit() {
+            // The failure was one SQLite answers by rolling the whole
+            // transaction back (a full disk, an I/O error): the writes
+            // before it in the group are gone with it.
+            abandon(connection, &mut waiting, "it was rolled back with a failed write of the same commit");
+            continue;
+        }
+        let unwound = match committed {
+            Some(committed) => {
+                waiting.push(committed);
+                execute(connection, "RELEASE write")
+            }
+            None => execute(connection, "ROLLBACK TO write").and_then(|()| execute(connection, "RELEASE write")),
+        };
+        if let Err(error) = unwound {
+            tracing::error!(%error, "closing a SQLite savepoint failed");
+            abandon(connection, &mut waiting, &format!("closing its savepoint failed: {error}"));
+        }
+    }
+    if connection.is_autocommit() {
+        // The group was abandoned: nothing is left to commit.
+        return;
+    }
+    match execute(connection, "COMMIT") {
+        Ok(()) => waiting.into_iter().for_each(|committed| committed(Ok(()))),
+        Err(error) => abandon(connection, &mut waiting, &format!("the commit failed: {error}")),
+    }
+}
+
+/// Rolls the group's transaction back and tells each write waiting in it.
+fn abandon(connection: &Connection, waiting: &mut Vec<Committed>, reason: &str) {
+    // Already rolled back when SQLite did it itself; nothing to undo then.
+    let _ = execute(connection, "ROLLBACK");
+    for committed in waiting.drain(..) {
+        committed(Err(format!("the write was not kept: {reason}")));
+    }
+}
+
+fn execute(connection: &Connection, statement: &str) -> rusqlite::Result<()> {
+    connection.prepare_cached(statement)?.execute([])?;
+    Ok(())
+}
+
+fn no_answer() -> StoreError {
     StoreError::Database("the SQLite connection thread did not answer".into())
 }
