@@ -162,34 +162,33 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         println!();
         println!("Use it as:  curl -H 'Authorization: Bearer {}' http://{listen}/v1/models", admin.key);
     }
+    // The handlers go in before the port opens: a SIGTERM sent as soon as the port answers must stop us cleanly,
+    // not meet the default action.
+    let shutdown = shutdown_signal()?;
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
     let default_model = app.state.engine.models().default_model().to_string();
     tracing::info!(address = %listener.local_addr()?, %default_model, database = %redact_url(&app.config.database_url), "arbor is serving");
-    arbor_server::serve(listener, app.state, app.config.max_body_bytes, app.config.shutdown_grace, shutdown_signal())
-        .await?;
+    arbor_server::serve(listener, app.state, app.config.max_body_bytes, app.config.shutdown_grace, shutdown).await?;
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Installs the Ctrl-C and SIGTERM handlers now and returns a future that resolves on either.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install the SIGTERM handler")?;
+    #[cfg(unix)]
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot install the SIGINT handler")?;
+    Ok(async move {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
-    }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
 
 /// A database URL without its password, for logs.
