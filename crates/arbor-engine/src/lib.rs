@@ -130,7 +130,7 @@ pub(crate) struct Inner {
     pub store: Arc<dyn Store>,
     pub models: Models,
     pub config: EngineConfig,
-    hubs: Mutex<HashMap<String, Arc<Hub>>>,
+    hubs: Mutex<Hubs>,
     writer: EventWriter,
     tracker: TaskTracker,
     /// Set when the server stops accepting turns.
@@ -164,6 +164,16 @@ impl Inner {
 const KEY_CACHE_TTL: Duration = Duration::from_secs(30);
 /// Hubs quiet for this long (and fully stored) may leave memory.
 const HUB_IDLE: Duration = Duration::from_secs(30);
+/// Idle hubs are swept out once this many are loaded.
+const HUB_SWEEP_MIN: usize = 256;
+
+/// The conversations loaded in memory.
+struct Hubs {
+    map: HashMap<String, Arc<Hub>>,
+    /// The size at which the next sweep runs: twice what the last one kept, so each sweep is paid for by as
+    /// many new hubs as it scanned (a sweep on every new hub once 256 were busy made loading O(hubs)).
+    sweep_at: usize,
+}
 
 #[derive(Clone)]
 pub struct Engine {
@@ -181,7 +191,7 @@ impl Engine {
                 store,
                 models,
                 config,
-                hubs: Mutex::new(HashMap::new()),
+                hubs: Mutex::new(Hubs { map: HashMap::new(), sweep_at: HUB_SWEEP_MIN }),
                 writer,
                 tracker: TaskTracker::new(),
                 closing: CancellationToken::new(),
@@ -432,22 +442,24 @@ impl Engine {
         }
         let last_seq = self.inner.store.last_event_seq(conversation_id).await?;
         let mut hubs = lock(&self.inner.hubs);
-        if hubs.len() >= 256 {
-            hubs.retain(|_, hub| !hub.is_idle(HUB_IDLE));
+        if hubs.map.len() >= hubs.sweep_at {
+            hubs.map.retain(|_, hub| !hub.is_idle(HUB_IDLE));
+            hubs.sweep_at = (2 * hubs.map.len()).max(HUB_SWEEP_MIN);
         }
         let hub = hubs
+            .map
             .entry(conversation_id.to_string())
             .or_insert_with(|| Hub::new(conversation_id, last_seq, self.inner.writer.clone(), self.inner.numbering()));
         Ok(hub.clone())
     }
 
     fn hub_if_loaded(&self, conversation_id: &str) -> Option<Arc<Hub>> {
-        lock(&self.inner.hubs).get(conversation_id).cloned()
+        lock(&self.inner.hubs).map.get(conversation_id).cloned()
     }
 
     /// Hubs in memory now.
     pub(crate) fn loaded_hubs(&self) -> Vec<Arc<Hub>> {
-        lock(&self.inner.hubs).values().cloned().collect()
+        lock(&self.inner.hubs).map.values().cloned().collect()
     }
 
     /// Marks turns a crashed process left running (or queued) as
