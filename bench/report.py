@@ -159,7 +159,10 @@ w("# Arbor benchmark report")
 w("")
 date = machine.get("date", "?")
 commit = machine.get("commit", "?") + (" (with uncommitted changes)" if machine.get("dirty") else "")
-w(f"Run on {date}, commit `{commit}`, on {machine.get('cores', '?')} cores of a {machine.get('cpu', '?')} "
+built = f"commit `{commit}`"
+if machine.get("arbor_bin"):
+    built = f"the harness of commit `{commit}` measuring another Arbor build (`{machine['arbor_bin']}`)"
+w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.get('cpu', '?')} "
   f"({machine.get('memory', '?')} memory). Arbor pinned to core {machine.get('arbor_core', '?')}, "
   f"the mocks and the load client to core {machine.get('load_core', '?')}. Each point: a warm-up, "
   "then 3 measured runs; figures are medians over the runs. Latencies are measured from each "
@@ -503,7 +506,7 @@ w("")
 w("## Reproduce")
 w("")
 w("```sh")
-w("bench/run.sh                 # everything (~15 min), rewrites bench/results/ and bench/REPORT.md")
+w("bench/run.sh                 # everything (~25 min), rewrites bench/results/ and bench/REPORT.md")
 w("bench/run.sh --only 'S1 S3'  # some scenarios")
 w("bench/run.sh --smoke         # the harness at a tiny rate, as CI runs it")
 w("```")

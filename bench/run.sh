@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Arbor's benchmark (issue 6), one command:
 #
-#   bench/run.sh            full run (~15 min): writes bench/results/ and bench/REPORT.md
+#   bench/run.sh            full run (~25 min): writes bench/results/ and bench/REPORT.md
 #   bench/run.sh --smoke    the harness at a tiny rate (CI): dev build, SQLite, no
 #                           LiteLLM; fails if any step or any request fails
 #
@@ -66,6 +66,7 @@ mkdir -p "$RESULTS"
 # Results are appended to: start clean (the profile-*.txt files stay).
 rm -f "$RESULTS"/{loads,parity,tree,saturation}.jsonl "$RESULTS"/{machine,litellm,postgres}.json
 LOADS=$RESULTS/loads.jsonl
+: >"$LOADS"  # exists even when --only skips the scenarios that write it first
 echo "work directory: $WORK"
 
 PIDS=()
@@ -269,6 +270,8 @@ print(json.dumps({
     "date": cmd("date", "-u", "+%Y-%m-%d %H:%M UTC"), "arbor_core": $ARBOR_CORE, "load_core": $LOAD_CORE,
     "chunks": $CHUNKS, "chunk_delay_ms": $CHUNK_DELAY_MS, "smoke": $SMOKE == 1,
     "loadavg_start": open("/proc/loadavg").read().split()[:3],
+    # An A/B run measures another build than the harness's own.
+    "arbor_bin": "$ARBOR_BIN" if "$ARBOR_BIN" != "$BIN/arbor" else None,
 }))
 EOF
 
