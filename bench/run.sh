@@ -63,10 +63,11 @@ else
   REPORT=$ROOT/bench/REPORT.md
 fi
 mkdir -p "$RESULTS"
-# Results are appended to: start clean (the profile-*.txt files stay).
-rm -f "$RESULTS"/{loads,parity,tree,saturation}.jsonl "$RESULTS"/{machine,litellm,postgres}.json
+# Results are appended to: start clean (the profile-*.txt files stay). The
+# loads file exists from the start, even when --only skips S1.
+rm -f "$RESULTS"/{parity,tree,saturation}.jsonl "$RESULTS"/{machine,litellm,postgres}.json
 LOADS=$RESULTS/loads.jsonl
-: >"$LOADS"  # exists even when --only skips the scenarios that write it first
+: >"$LOADS"
 echo "work directory: $WORK"
 
 PIDS=()
