@@ -13,7 +13,7 @@ use arbor_core::message::NodeStatus;
 use arbor_core::{Cost, ErrorCode, EventName, Message, Node, ProviderError, Usage};
 use arbor_providers::{ChatRequest, Chunk, Collected};
 use arbor_store::{ApiCall, Conversation, Turn, TurnStatus, User};
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -481,23 +481,40 @@ impl TurnTask {
         };
         let failure = match opened {
             Err(failure) => Some(failure),
-            Ok(mut stream) => loop {
-                let next = tokio::select! {
-                    biased;
-                    stop = self.stopped() => break Some(Failure::Stopped(stop)),
-                    _ = tokio::time::sleep_until(deadline) => break Some(Failure::Stopped(Stopped::TimedOut)),
-                    next = stream.next() => next,
-                };
-                match next {
-                    None => break None,
-                    Some(Err(error)) => break Some(Failure::Provider(error)),
-                    Some(Ok(chunk)) => {
-                        ttft_ms.get_or_insert_with(|| started.elapsed().as_millis() as u64);
-                        forwarder.forward(&self.hub, &self.turn_id, &chunk);
-                        collected.push(&chunk);
+            Ok(mut stream) => {
+                let mut taken_ready = 0;
+                loop {
+                    // Chunks that have already arrived are taken without waiting
+                    // and their text goes out as one event; whatever is held is
+                    // sent before waiting, so no text waits for a later chunk.
+                    let ready = if taken_ready < MAX_MERGED { stream.next().now_or_never() } else { None };
+                    let next = match ready {
+                        Some(next) => {
+                            taken_ready += 1;
+                            next
+                        }
+                        None => {
+                            taken_ready = 0;
+                            forwarder.flush(&self.hub, &self.turn_id);
+                            tokio::select! {
+                                biased;
+                                stop = self.stopped() => break Some(Failure::Stopped(stop)),
+                                _ = tokio::time::sleep_until(deadline) => break Some(Failure::Stopped(Stopped::TimedOut)),
+                                next = stream.next() => next,
+                            }
+                        }
+                    };
+                    match next {
+                        None => break None,
+                        Some(Err(error)) => break Some(Failure::Provider(error)),
+                        Some(Ok(chunk)) => {
+                            ttft_ms.get_or_insert_with(|| started.elapsed().as_millis() as u64);
+                            forwarder.forward(&self.hub, &self.turn_id, &chunk);
+                            collected.push(&chunk);
+                        }
                     }
                 }
-            },
+            }
         };
         forwarder.close(&self.hub, &self.turn_id);
         let collected = collected.finish();
@@ -544,13 +561,37 @@ struct ArgumentsDelta<'a> {
     arguments: &'a str,
 }
 
+/// Chunks taken without waiting in a row at most: past it the held text is
+/// sent and the loop checks for a cancel before reading on.
+const MAX_MERGED: usize = 64;
+
 /// Turns chunks into trace and delta events, opening and closing trace cards
 /// as the reply moves between thinking, tool calls and text.
+///
+/// Consecutive text of one kind (answer, thinking, one tool call's
+/// arguments) is held and sent as one event by [`ChunkForwarder::flush`],
+/// which the model loop calls whenever no further chunk has arrived. A
+/// provider that sends a burst (a fast model, a reply already generated, a
+/// network read holding several SSE events) then costs one event instead of
+/// one per chunk — one row, one fan-out, one frame — and a paced stream is
+/// forwarded chunk by chunk as before. Clients only ever concatenate deltas.
 #[derive(Default)]
 struct ChunkForwarder {
     thinking_trace: Option<String>,
     /// (chunk index, trace id) of tool calls being streamed.
     tool_traces: Vec<(usize, String)>,
+    /// Text not yet sent, and whose it is.
+    pending: Option<(Held, String)>,
+}
+
+/// Whose text a [`ChunkForwarder`] holds.
+#[derive(PartialEq)]
+enum Held {
+    Answer,
+    /// The open thinking card.
+    Thinking,
+    /// The arguments of the tool call streamed at this index, with its card.
+    Arguments(usize),
 }
 
 impl ChunkForwarder {
@@ -559,23 +600,21 @@ impl ChunkForwarder {
         match chunk {
             Chunk::Text(text) => {
                 self.close_thinking(hub, turn_id);
-                hub.emit(turn, EventName::Delta, &TextDelta { id: None, text });
+                self.hold(hub, turn_id, Held::Answer, text);
             }
             Chunk::Thinking(text) => {
-                let id = match &self.thinking_trace {
-                    Some(id) => id.clone(),
-                    None => {
-                        let id = new_id();
-                        hub.emit(turn, EventName::TraceStart, &json!({"id": id, "type": "thinking"}));
-                        self.thinking_trace = Some(id.clone());
-                        id
-                    }
-                };
-                hub.emit(turn, EventName::TraceDelta, &TextDelta { id: Some(&id), text });
+                if self.thinking_trace.is_none() {
+                    self.flush(hub, turn_id);
+                    let id = new_id();
+                    hub.emit(turn, EventName::TraceStart, &json!({"id": id, "type": "thinking"}));
+                    self.thinking_trace = Some(id);
+                }
+                self.hold(hub, turn_id, Held::Thinking, text);
             }
             Chunk::ThinkingSignature(_) | Chunk::RedactedThinking(_) => self.close_thinking(hub, turn_id),
             Chunk::ToolCallStart { index, id, name } => {
                 self.close_thinking(hub, turn_id);
+                self.flush(hub, turn_id);
                 let trace = new_id();
                 hub.emit(
                     turn,
@@ -585,11 +624,12 @@ impl ChunkForwarder {
                 self.tool_traces.push((*index, trace));
             }
             Chunk::ToolCallArguments { index, fragment } => {
-                if let Some((_, trace)) = self.tool_traces.iter().find(|(open, _)| open == index) {
-                    hub.emit(turn, EventName::TraceDelta, &ArgumentsDelta { id: trace, arguments: fragment });
+                if self.tool_traces.iter().any(|(open, _)| open == index) {
+                    self.hold(hub, turn_id, Held::Arguments(*index), fragment);
                 }
             }
             Chunk::ToolCallEnd { index, .. } => {
+                self.flush(hub, turn_id);
                 if let Some(position) = self.tool_traces.iter().position(|(open, _)| open == index) {
                     let (_, trace) = self.tool_traces.remove(position);
                     hub.emit(turn, EventName::TraceEnd, &json!({"id": trace}));
@@ -599,17 +639,117 @@ impl ChunkForwarder {
         }
     }
 
+    /// Adds `text` to what is held, sending what was held first when it
+    /// belongs to someone else.
+    fn hold(&mut self, hub: &Hub, turn_id: &Arc<str>, whose: Held, text: &str) {
+        if self.pending.as_ref().is_some_and(|(held, _)| *held != whose) {
+            self.flush(hub, turn_id);
+        }
+        self.pending.get_or_insert_with(|| (whose, String::new())).1.push_str(text);
+    }
+
+    /// Sends the held text as one event.
+    fn flush(&mut self, hub: &Hub, turn_id: &Arc<str>) {
+        let Some((whose, text)) = self.pending.take() else { return };
+        let turn = Some(turn_id);
+        match whose {
+            Held::Answer => hub.emit(turn, EventName::Delta, &TextDelta { id: None, text: &text }),
+            Held::Thinking => {
+                if let Some(id) = &self.thinking_trace {
+                    hub.emit(turn, EventName::TraceDelta, &TextDelta { id: Some(id), text: &text });
+                }
+            }
+            Held::Arguments(index) => {
+                if let Some((_, trace)) = self.tool_traces.iter().find(|(open, _)| *open == index) {
+                    hub.emit(turn, EventName::TraceDelta, &ArgumentsDelta { id: trace, arguments: &text });
+                }
+            }
+        }
+    }
+
     fn close_thinking(&mut self, hub: &Hub, turn_id: &Arc<str>) {
+        if self.thinking_trace.is_some() {
+            self.flush(hub, turn_id);
+        }
         if let Some(id) = self.thinking_trace.take() {
             hub.emit(Some(turn_id), EventName::TraceEnd, &json!({"id": id}));
         }
     }
 
-    /// Closes every card still open (a stream that broke off).
+    /// Sends what is held and closes every card still open (the stream
+    /// ended or broke off).
     fn close(&mut self, hub: &Hub, turn_id: &Arc<str>) {
+        self.flush(hub, turn_id);
         self.close_thinking(hub, turn_id);
         for (_, trace) in self.tool_traces.drain(..) {
             hub.emit(Some(turn_id), EventName::TraceEnd, &json!({"id": trace}));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::Numbering;
+    use crate::writer::EventWriter;
+
+    fn events_of(hub: &Hub) -> Vec<(EventName, serde_json::Value)> {
+        let backlog = hub.subscribe(0).backlog;
+        backlog.iter().map(|event| (event.name, serde_json::from_str(&event.data).expect("json"))).collect()
+    }
+
+    #[tokio::test]
+    async fn chunks_taken_together_go_out_as_one_event_per_kind_in_order() {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let (writer, _task) = EventWriter::start(Arc::new(store));
+        let hub = Hub::new("c1", 0, writer, Numbering::Local);
+        let turn: Arc<str> = Arc::from("t1");
+        let mut forwarder = ChunkForwarder::default();
+        let chunks = [
+            Chunk::Thinking("let me ".into()),
+            Chunk::Thinking("think".into()),
+            Chunk::Text("Hel".into()),
+            Chunk::Text("lo".into()),
+            Chunk::ToolCallStart { index: 0, id: "call_1".into(), name: "add".into() },
+            Chunk::ToolCallArguments { index: 0, fragment: "{\"a\":".into() },
+            Chunk::ToolCallArguments { index: 0, fragment: "1}".into() },
+            Chunk::ToolCallEnd { index: 0, signature: None },
+            Chunk::Text(" again".into()),
+            Chunk::Usage(Usage::default()),
+        ];
+        for chunk in &chunks {
+            forwarder.forward(&hub, &turn, chunk);
+        }
+        forwarder.close(&hub, &turn);
+
+        let events = events_of(&hub);
+        let names: Vec<EventName> = events.iter().map(|(name, _)| *name).collect();
+        use EventName::*;
+        assert_eq!(names, [TraceStart, TraceDelta, TraceEnd, Delta, TraceStart, TraceDelta, TraceEnd, Delta]);
+        let thinking = events[0].1["id"].clone();
+        assert_eq!(events[1].1, json!({"id": thinking, "text": "let me think"}));
+        assert_eq!(events[3].1, json!({"text": "Hello"}));
+        let call = events[4].1["id"].clone();
+        assert_eq!(events[5].1, json!({"id": call, "arguments": "{\"a\":1}"}));
+        assert_eq!(events[6].1, json!({"id": call}));
+        assert_eq!(events[7].1, json!({"text": " again"}));
+    }
+
+    #[tokio::test]
+    async fn a_flush_between_chunks_sends_each_one_as_it_comes() {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let (writer, _task) = EventWriter::start(Arc::new(store));
+        let hub = Hub::new("c1", 0, writer, Numbering::Local);
+        let turn: Arc<str> = Arc::from("t1");
+        let mut forwarder = ChunkForwarder::default();
+        forwarder.forward(&hub, &turn, &Chunk::Text("first".into()));
+        assert!(events_of(&hub).is_empty(), "held until the loop finds nothing more ready");
+        forwarder.flush(&hub, &turn);
+        assert_eq!(events_of(&hub), [(EventName::Delta, json!({"text": "first"}))]);
+        forwarder.forward(&hub, &turn, &Chunk::Text("second".into()));
+        forwarder.flush(&hub, &turn);
+        forwarder.flush(&hub, &turn);
+        let texts: Vec<serde_json::Value> = events_of(&hub).into_iter().map(|(_, data)| data).collect();
+        assert_eq!(texts, [json!({"text": "first"}), json!({"text": "second"})]);
     }
 }
