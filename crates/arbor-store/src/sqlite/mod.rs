@@ -56,6 +56,7 @@ const STATEMENT_CACHE: usize = 64;
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../../migrations/sqlite/0001_initial.sql")),
     (2, "turn pending messages", include_str!("../../migrations/sqlite/0002_turn_pending_messages.sql")),
+    (3, "lighter turn writes", include_str!("../../migrations/sqlite/0003_lighter_turn_writes.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -270,11 +271,28 @@ fn migrate(connection: &mut Connection) -> StoreResult<()> {
             version = earlier.unwrap_or(0);
         }
     }
+    // Rebuilding a table (SQLite's way to change a column) needs foreign
+    // keys off: dropping the old table would otherwise delete, by cascade,
+    // the rows just copied. They are checked before each migration commits
+    // instead, and switched back on after.
+    connection.pragma_update(None, "foreign_keys", false)?;
+    let migrated = apply_migrations(connection, version);
+    connection.pragma_update(None, "foreign_keys", true)?;
+    migrated
+}
+
+fn apply_migrations(connection: &mut Connection, version: i64) -> StoreResult<()> {
     for &(number, description, sql) in MIGRATIONS.iter().filter(|(number, ..)| *number > version) {
+        let failed =
+            |error: String| StoreError::Database(format!("migration {number} ({description}) failed: {error}"));
         let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        transaction
-            .execute_batch(sql)
-            .map_err(|error| StoreError::Database(format!("migration {number} ({description}) failed: {error}")))?;
+        transaction.execute_batch(sql).map_err(|error| failed(error.to_string()))?;
+        let broken: Option<String> = transaction
+            .query_row("SELECT \"table\" FROM pragma_foreign_key_check LIMIT 1", [], |row| row.get(0))
+            .optional()?;
+        if let Some(table) = broken {
+            return Err(failed(format!("it left rows of {table} whose foreign keys point nowhere")));
+        }
         transaction.pragma_update(None, "user_version", number)?;
         transaction.commit()?;
     }
@@ -934,19 +952,18 @@ impl Store for SqliteStore {
         // array, unpacked by json_each, so the statement stays static.
         let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
         let names = serde_json::to_string(&names).map_err(|error| StoreError::Database(error.to_string()))?;
-        self.read(move |connection| {
-            query_all(
-                connection,
-                concat!(
-                    "SELECT ",
-                    turn_columns!(),
-                    " FROM turns WHERE status IN (SELECT value FROM json_each(?)) ORDER BY created_at, id"
-                ),
-                [names],
-                |row| codec::turn_from_row(row),
+        // Live turns are found through the index of live turns, which SQLite
+        // uses only for a query that repeats its condition.
+        let sql = if statuses.iter().all(|status| !status.is_finished()) {
+            LIVE_TURNS
+        } else {
+            concat!(
+                "SELECT ",
+                turn_columns!(),
+                " FROM turns WHERE status IN (SELECT value FROM json_each(?)) ORDER BY created_at, id"
             )
-        })
-        .await
+        };
+        self.read(move |connection| query_all(connection, sql, [names], |row| codec::turn_from_row(row))).await
     }
 
     async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
@@ -1173,19 +1190,7 @@ impl Store for SqliteStore {
     }
 
     async fn expired_running_turns(&self, now: Millis) -> StoreResult<Vec<Turn>> {
-        self.read(move |connection| {
-            query_all(
-                connection,
-                concat!(
-                    "SELECT ",
-                    turn_columns!(),
-                    " FROM turns WHERE status = 'running' AND lease_expires_at <= ? ORDER BY created_at, id"
-                ),
-                [now],
-                |row| codec::turn_from_row(row),
-            )
-        })
-        .await
+        self.read(move |connection| query_all(connection, EXPIRED_TURNS, [now], |row| codec::turn_from_row(row))).await
     }
 
     async fn take_over_turn(&self, turn_id: &str, owner: &str, now: Millis, expires_at: Millis) -> StoreResult<bool> {
@@ -1219,6 +1224,24 @@ impl Store for SqliteStore {
         .await
     }
 }
+
+/// Turns of the statuses in a JSON array, all of them live. The second
+/// condition repeats the index of live turns' word for word, which is how
+/// SQLite knows the index holds every row the query wants.
+const LIVE_TURNS: &str = concat!(
+    "SELECT ",
+    turn_columns!(),
+    " FROM turns WHERE status IN (SELECT value FROM json_each(?)) \
+     AND status IN ('queued', 'running') ORDER BY created_at, id"
+);
+
+/// Running turns whose lease has expired (see [`LIVE_TURNS`]).
+const EXPIRED_TURNS: &str = concat!(
+    "SELECT ",
+    turn_columns!(),
+    " FROM turns WHERE status = 'running' AND status IN ('queued', 'running') \
+     AND lease_expires_at <= ? ORDER BY created_at, id"
+);
 
 /// Credits a user may still reserve; `NotFound` for an unknown user.
 fn available_credits(connection: &Connection, user_id: &str) -> StoreResult<Option<i64>> {
@@ -1441,7 +1464,7 @@ mod tests {
         {
             // The shape an earlier Arbor left: the schema and sqlx's table.
             let connection = Connection::open(&path).expect("opens");
-            for (_, _, sql) in MIGRATIONS {
+            for (_, _, sql) in &MIGRATIONS[..2] {
                 connection.execute_batch(sql).expect("schema");
             }
             connection
@@ -1456,10 +1479,114 @@ mod tests {
         assert_eq!(store.user("u").await.expect("reads").map(|user| user.name), Some("kept".to_string()));
         let version: i64 =
             store.read(|c| Ok(c.query_row("PRAGMA user_version", [], |row| row.get(0))?)).await.expect("reads");
-        assert_eq!(version, 0, "nothing was applied, so the version was not written");
+        assert_eq!(version, 3, "only the migration sqlx never saw was applied");
         drop(store);
         // Opening once more still finds everything in place.
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens a third time");
         assert_eq!(store.count_users().await.expect("counts"), 1);
+    }
+
+    #[tokio::test]
+    async fn the_messages_rebuild_keeps_every_row_its_order_and_its_foreign_keys() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let path = folder.path().join("v2.db");
+        {
+            // A database as the schema of version 2 left it, with a tree.
+            let connection = Connection::open(&path).expect("opens");
+            for (_, _, sql) in &MIGRATIONS[..2] {
+                connection.execute_batch(sql).expect("schema");
+            }
+            connection
+                .execute_batch(
+                    "PRAGMA user_version = 2; PRAGMA foreign_keys = ON; \
+                     INSERT INTO users (id, name, created_at) VALUES ('u', 'ann', 1); \
+                     INSERT INTO conversations (id, owner_id, model, created_at, updated_at) \
+                         VALUES ('c', 'u', 'demo', 1, 1); \
+                     INSERT INTO messages (conversation_id, id, parent_id, role, content, created_at) VALUES \
+                         ('c', 'z-root', NULL, 'user', 'first', 1), \
+                         ('c', 'a-reply', 'z-root', 'assistant', 'second', 2), \
+                         ('c', 'm-next', 'a-reply', 'user', 'third', 3); \
+                     INSERT INTO turns (id, conversation_id, user_id, user_message_id, status, model, created_at) VALUES \
+                         ('t-done', 'c', 'u', 'z-root', 'succeeded', 'demo', 1), \
+                         ('t-waiting', 'c', 'u', 'm-next', 'queued', 'demo', 2);",
+                )
+                .expect("rows");
+        }
+        let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("migrates");
+        let version: i64 =
+            store.read(|c| Ok(c.query_row("PRAGMA user_version", [], |row| row.get(0))?)).await.expect("reads");
+        assert_eq!(version, 3);
+
+        let ids = |nodes: Vec<Node>| nodes.into_iter().map(|node| (node.id, node.parent_id)).collect::<Vec<_>>();
+        let kept = ids(store.messages("c").await.expect("reads"));
+        assert_eq!(
+            kept,
+            [
+                ("z-root".to_string(), None),
+                ("a-reply".to_string(), Some("z-root".to_string())),
+                ("m-next".to_string(), Some("a-reply".to_string()))
+            ],
+            "every node, in the order written, under its parent"
+        );
+        let schema: String = store
+            .read(|c| Ok(c.query_row("SELECT sql FROM sqlite_master WHERE name = 'messages'", [], |row| row.get(0))?))
+            .await
+            .expect("reads");
+        assert!(!schema.contains("AUTOINCREMENT"), "{schema}");
+
+        // The rebuilt table still refuses a parent that is not there, and
+        // foreign keys are back on for every connection.
+        assert!(on_every_connection(&store, "PRAGMA foreign_keys").await.iter().all(|&on| on == 1));
+        let orphan = Node {
+            id: "lost".into(),
+            conversation_id: "c".into(),
+            parent_id: Some("nowhere".into()),
+            message: arbor_core::Message::user("orphan"),
+            model: None,
+            provider: None,
+            turn_id: None,
+            copied_from: None,
+            status: Default::default(),
+            created_at: 4,
+        };
+        assert!(store.append_messages(std::slice::from_ref(&orphan), 4).await.is_err());
+        let child = Node { id: "b-last".into(), parent_id: Some("m-next".into()), ..orphan };
+        store.append_messages(std::slice::from_ref(&child), 4).await.expect("a real parent");
+        let order: Vec<String> = store.messages("c").await.expect("reads").into_iter().map(|node| node.id).collect();
+        assert_eq!(order, ["z-root", "a-reply", "m-next", "b-last"], "a new node comes after the old ones");
+
+        // Deleting the conversation still takes its messages with it.
+        store.write(|c| Ok(c.execute("DELETE FROM conversations WHERE id = 'c'", [])?)).await.expect("deletes");
+        let left: i64 = store
+            .read(|c| Ok(c.query_row("SELECT COUNT(*) FROM messages", [], |row| row.get(0))?))
+            .await
+            .expect("reads");
+        assert_eq!(left, 0);
+    }
+
+    #[tokio::test]
+    async fn live_turns_are_read_through_the_index_of_live_turns() {
+        let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let plan = |sql: String| {
+            let store = store.clone();
+            async move {
+                store
+                    .read(move |c| {
+                        let mut statement = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))?;
+                        let details: Vec<String> =
+                            statement.query_map(["[\"queued\"]"], |row| row.get(3))?.collect::<Result<_, _>>()?;
+                        Ok(details.join("; "))
+                    })
+                    .await
+                    .expect("plans")
+            }
+        };
+        // The statements the store runs for the queue, crash recovery and
+        // lease takeovers.
+        for sql in [LIVE_TURNS, EXPIRED_TURNS] {
+            let plan = plan(sql.to_string()).await;
+            assert!(plan.contains("USING INDEX turns_live"), "{plan}");
+        }
+        assert!(store.turns_with_status(&[TurnStatus::Queued, TurnStatus::Running]).await.expect("reads").is_empty());
     }
 }
