@@ -7,24 +7,49 @@ use arbor_core::Cost;
 use arbor_core::Node;
 use arbor_core::ids::rfc3339;
 use arbor_store::{ApiCall, Conversation, Turn};
+use serde::Serialize;
 use serde_json::{Value, json};
 
-pub fn conversation(conversation: &Conversation) -> Value {
-    json!({
-        "id": conversation.id,
-        "title": conversation.title,
-        "system_prompt": conversation.system_prompt,
-        "model": conversation.model,
-        "head_id": conversation.head_id,
-        "head_version": conversation.head_version,
-        "summary": conversation.summary,
-        "created_at": rfc3339(conversation.created_at),
-        "updated_at": rfc3339(conversation.updated_at),
-    })
+/// A conversation as the API shows it. The views are typed and borrow the
+/// record, so a response is serialized straight to bytes (a tree of 10,000
+/// nodes included) instead of through a `serde_json::Value` per field.
+#[derive(Serialize)]
+pub struct ConversationView<'a> {
+    id: &'a str,
+    title: Option<&'a str>,
+    system_prompt: Option<&'a str>,
+    model: &'a str,
+    head_id: Option<&'a str>,
+    head_version: i64,
+    summary: Option<&'a str>,
+    created_at: String,
+    updated_at: String,
+}
+
+pub fn conversation(conversation: &Conversation) -> ConversationView<'_> {
+    ConversationView {
+        id: &conversation.id,
+        title: conversation.title.as_deref(),
+        system_prompt: conversation.system_prompt.as_deref(),
+        model: &conversation.model,
+        head_id: conversation.head_id.as_deref(),
+        head_version: conversation.head_version,
+        summary: conversation.summary.as_deref(),
+        created_at: rfc3339(conversation.created_at),
+        updated_at: rfc3339(conversation.updated_at),
+    }
+}
+
+/// A tree node as the API shows it: the node and its children's ids.
+#[derive(Serialize)]
+pub struct NodeView<'a> {
+    #[serde(flatten)]
+    node: &'a Node,
+    children: Vec<&'a str>,
 }
 
 /// Tree nodes with their children's ids, in creation order.
-pub fn nodes(nodes: &[Node]) -> Vec<Value> {
+pub fn nodes(nodes: &[Node]) -> Vec<NodeView<'_>> {
     let mut children: HashMap<&str, Vec<&str>> = HashMap::new();
     for node in nodes {
         if let Some(parent) = node.parent_id.as_deref() {
@@ -33,35 +58,64 @@ pub fn nodes(nodes: &[Node]) -> Vec<Value> {
     }
     nodes
         .iter()
-        .map(|node| {
-            let mut value = serde_json::to_value(node).unwrap_or(Value::Null);
-            value["children"] = json!(children.get(node.id.as_str()).cloned().unwrap_or_default());
-            value
-        })
+        .map(|node| NodeView { node, children: children.remove(node.id.as_str()).unwrap_or_default() })
         .collect()
 }
 
-pub fn turn(turn: &Turn) -> Value {
+/// A node nothing hangs under yet (a reply just written).
+pub fn leaf(node: &Node) -> NodeView<'_> {
+    NodeView { node, children: Vec::new() }
+}
+
+#[derive(Serialize)]
+pub struct TurnView<'a> {
+    id: &'a str,
+    conversation_id: &'a str,
+    user_message_id: &'a str,
+    reply_message_id: Option<&'a str>,
+    status: &'static str,
+    model: &'a str,
+    iterations: u32,
+    input_tokens: u64,
+    output_tokens: u64,
+    thinking_tokens: u64,
+    cached_tokens: u64,
+    cost_credits: i64,
+    cost_cents_usd: f64,
+    error: Option<TurnError<'a>>,
+    created_at: String,
+    finished_at: Option<String>,
+}
+
+#[derive(Serialize)]
+struct TurnError<'a> {
+    code: &'a str,
+    message: Option<&'a str>,
+}
+
+pub fn turn(turn: &Turn) -> TurnView<'_> {
     let cost = Cost { micro_usd: turn.cost_micro_usd };
-    let error = turn.error_code.as_ref().map(|code| json!({"code": code, "message": turn.error_message}));
-    json!({
-        "id": turn.id,
-        "conversation_id": turn.conversation_id,
-        "user_message_id": turn.user_message_id,
-        "reply_message_id": turn.reply_message_id,
-        "status": turn.status.as_str(),
-        "model": turn.model,
-        "iterations": turn.iterations,
-        "input_tokens": turn.usage.input_tokens,
-        "output_tokens": turn.usage.output_tokens,
-        "thinking_tokens": turn.usage.thinking_tokens,
-        "cached_tokens": turn.usage.cached_tokens,
-        "cost_credits": cost.credits(),
-        "cost_cents_usd": cost.cents_usd(),
-        "error": error,
-        "created_at": rfc3339(turn.created_at),
-        "finished_at": turn.finished_at.map(rfc3339),
-    })
+    TurnView {
+        id: &turn.id,
+        conversation_id: &turn.conversation_id,
+        user_message_id: &turn.user_message_id,
+        reply_message_id: turn.reply_message_id.as_deref(),
+        status: turn.status.as_str(),
+        model: &turn.model,
+        iterations: turn.iterations,
+        input_tokens: turn.usage.input_tokens,
+        output_tokens: turn.usage.output_tokens,
+        thinking_tokens: turn.usage.thinking_tokens,
+        cached_tokens: turn.usage.cached_tokens,
+        cost_credits: cost.credits(),
+        cost_cents_usd: cost.cents_usd(),
+        error: turn
+            .error_code
+            .as_deref()
+            .map(|code| TurnError { code, message: turn.error_message.as_deref() }),
+        created_at: rfc3339(turn.created_at),
+        finished_at: turn.finished_at.map(rfc3339),
+    }
 }
 
 pub fn api_call(call: &ApiCall) -> Value {

@@ -42,7 +42,7 @@ async fn create(
             NewConversation { title: body.title, model: body.model, system_prompt: body.system_prompt },
         )
         .await?;
-    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))))
+    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))).into_response())
 }
 
 #[derive(Deserialize)]
@@ -90,7 +90,6 @@ async fn read(
     Query(query): Query<ReadQuery>,
 ) -> ApiResult<impl IntoResponse> {
     let tree = state.engine.conversation_tree(&user, &id).await?;
-    let mut body = views::conversation(&tree.conversation);
     let messages = match (query.path, &tree.conversation.head_id) {
         (Some(1), Some(head)) => {
             let index = arbor_core::tree::Tree::new(tree.messages);
@@ -100,8 +99,14 @@ async fn read(
         (Some(0) | None, _) => tree.messages,
         (Some(other), _) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
     };
-    body["messages"] = json!(views::nodes(&messages));
-    Ok(axum::Json(body))
+    #[derive(serde::Serialize)]
+    struct Body<'a> {
+        #[serde(flatten)]
+        conversation: views::ConversationView<'a>,
+        messages: Vec<views::NodeView<'a>>,
+    }
+    let body = Body { conversation: views::conversation(&tree.conversation), messages: views::nodes(&messages) };
+    Ok(axum::Json(body).into_response())
 }
 
 #[derive(Deserialize)]
@@ -121,7 +126,7 @@ async fn update(
     let update =
         ConversationUpdate { title: body.title, system_prompt: body.system_prompt, model: body.model, updated_at: 0 };
     let conversation = state.engine.update_conversation(&user, &id, update).await?;
-    Ok(axum::Json(views::conversation(&conversation)))
+    Ok(axum::Json(views::conversation(&conversation)).into_response())
 }
 
 async fn remove(

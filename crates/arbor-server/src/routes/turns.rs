@@ -185,17 +185,23 @@ async fn fork(
     Json(body): Json<ForkRequest>,
 ) -> ApiResult<impl IntoResponse> {
     let conversation = state.engine.fork(&user, &id, &body.message_id).await?;
-    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))))
+    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))).into_response())
 }
 
 /// The JSON answer of a finished turn: 200 with the reply, or the turn's
 /// error with a status that says whose fault it was.
 fn outcome_response(outcome: &TurnOutcome) -> Response {
-    let body = json!({
-        "head_version": outcome.head_version,
-        "turn": views::turn(&outcome.turn),
-        "message": outcome.reply.as_ref().map(|reply| views::nodes(std::slice::from_ref(reply)).remove(0)),
-    });
+    #[derive(serde::Serialize)]
+    struct Body<'a> {
+        head_version: i64,
+        turn: views::TurnView<'a>,
+        message: Option<views::NodeView<'a>>,
+    }
+    let body = Body {
+        head_version: outcome.head_version,
+        turn: views::turn(&outcome.turn),
+        message: outcome.reply.as_ref().map(views::leaf),
+    };
     // Arbor's own share of the turn's time, for callers measuring overhead.
     let overhead = [("x-arbor-overhead-us", outcome.overhead.as_micros().to_string())];
     let Some(code) = outcome.turn.error_code.as_deref() else {
@@ -212,8 +218,8 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
     let message = outcome.turn.error_message.clone().unwrap_or_default();
     ApiError::new(status, code, message)
         .with("turn_id", outcome.turn.id.clone())
-        .with("turn", body["turn"].clone())
-        .with("partial_message", body["message"].clone())
+        .with("turn", json!(body.turn))
+        .with("partial_message", json!(body.message))
         .into_response()
 }
 
@@ -246,7 +252,7 @@ async fn read_turn(
     Path((id, turn)): Path<(String, String)>,
 ) -> ApiResult<impl IntoResponse> {
     let details = state.engine.turn_details(&user, &id, &turn).await?;
-    let mut body = views::turn(&details.turn);
+    let mut body = json!(views::turn(&details.turn));
     body["api_calls"] = json!(details.api_calls.iter().map(views::api_call).collect::<Vec<_>>());
     body["trace"] = json!(
         details
@@ -264,5 +270,5 @@ async fn cancel_turn(
     Path((id, turn)): Path<(String, String)>,
 ) -> ApiResult<impl IntoResponse> {
     let turn = state.engine.cancel_turn(&user, &id, &turn).await?;
-    Ok((StatusCode::ACCEPTED, axum::Json(views::turn(&turn))))
+    Ok((StatusCode::ACCEPTED, axum::Json(views::turn(&turn))).into_response())
 }
