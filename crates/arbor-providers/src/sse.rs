@@ -173,7 +173,7 @@ impl Decoder {
                 input.advance(1);
                 continue;
             }
-            let Some(end) = input.iter().position(|byte| matches!(byte, b'\n' | b'\r')) else {
+            let Some(end) = memchr::memchr2(b'\n', b'\r', input) else {
                 self.partial_line.extend_from_slice(input);
                 input.clear();
                 return None;
