@@ -1052,7 +1052,9 @@ impl Store for SqliteStore {
             return Ok(());
         }
         let events = events.to_vec();
-        self.write(move |connection| insert_events(connection, &events)).await
+        // Their viewers have them already and the hub keeps them until they
+        // are stored, so they may wait a moment to ride in another commit.
+        self.writer.write_deferred(move |connection| insert_events(connection, &events)).await
     }
 
     async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {

@@ -18,6 +18,14 @@
 //! and no write is answered before the commit that holds it is durable.
 //! When writes arrive one at a time, each is its own group.
 //!
+//! Some writes nobody waits on: a conversation's events are already with
+//! its viewers (the hub keeps them until stored), and the event writer
+//! only needs to hear when they are. Those are *deferred*: the writer holds
+//! them until another write comes, or for at most [`DEFERRED_WAIT`], and
+//! commits them with it. A turn's events then ride in some turn's own
+//! commit instead of one of their own — about half the commits of a busy
+//! server, and nearly all of an idle one's extra ones.
+//!
 //! The writer also keeps the WAL from growing without end. A background
 //! thread copies committed pages into the database file (see `mod.rs`), but
 //! SQLite starts the WAL over only when a write transaction begins while
@@ -34,6 +42,7 @@ use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use tokio::sync::oneshot;
@@ -42,6 +51,9 @@ use crate::{StoreError, StoreResult};
 
 /// Writes committed together at most.
 const MAX_GROUP: usize = 64;
+
+/// How long a deferred write waits at most for another one to ride with.
+pub(super) const DEFERRED_WAIT: Duration = Duration::from_millis(5);
 
 type ReadJob = Box<dyn FnOnce(&Connection) + Send>;
 
@@ -106,7 +118,13 @@ type Committed = Box<dyn FnOnce(Result<(), String>) + Send>;
 /// and returns what to do once committed, or `None` when it failed (it has
 /// answered its caller then, and its changes are rolled back). Given an
 /// error (the group's transaction could not begin), it answers with it.
-type WriteJob = Box<dyn FnOnce(Result<&Connection, &str>) -> Option<Committed> + Send>;
+type WriteBody = Box<dyn FnOnce(Result<&Connection, &str>) -> Option<Committed> + Send>;
+
+struct WriteJob {
+    body: WriteBody,
+    /// Whether it may wait for company (see the module's documentation).
+    deferred: bool,
+}
 
 thread_local! {
     /// Pages in the WAL after the last commit on this thread's connection.
@@ -136,14 +154,29 @@ impl Writer {
             connection.wal_hook(Some(note_wal_pages));
         }
         std::thread::Builder::new().name(name.to_string()).spawn(move || {
-            while let Ok(first) = queue.recv() {
-                let mut group = vec![first];
-                while group.len() < MAX_GROUP
+            let mut group = Group::default();
+            let mut open = true;
+            while open || !group.bodies.is_empty() {
+                while group.bodies.len() < MAX_GROUP
                     && let Ok(job) = queue.try_recv()
                 {
-                    group.push(job);
+                    group.take(job);
                 }
-                commit_group(&connection, group);
+                if open && !group.is_due() {
+                    // Nothing waited on is queued: sleep until a write comes
+                    // or the deferred ones are due.
+                    let next = match group.due {
+                        None => queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                        Some(due) => queue.recv_timeout(due.saturating_duration_since(Instant::now())),
+                    };
+                    match next {
+                        Ok(job) => group.take(job),
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(mpsc::RecvTimeoutError::Disconnected) => open = false,
+                    }
+                    continue;
+                }
+                commit_group(&connection, group.drain());
                 if let Some(limit) = wal_limit
                     && WAL_PAGES.get() > limit
                 {
@@ -165,31 +198,79 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
+        self.submit(body, false).await
+    }
+
+    /// Like [`Writer::write`], for a write that may wait up to
+    /// [`DEFERRED_WAIT`] to be committed with another.
+    pub async fn write_deferred<T, F>(&self, body: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        self.submit(body, true).await
+    }
+
+    async fn submit<T, F>(&self, body: F, deferred: bool) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
         let (reply, result) = oneshot::channel::<StoreResult<T>>();
-        self.jobs
-            .send(Box::new(move |connection: Result<&Connection, &str>| {
-                let outcome = match connection {
-                    Ok(connection) => body(connection),
-                    Err(reason) => Err(StoreError::Database(reason.to_string())),
-                };
-                match outcome {
-                    Ok(value) => Some(Box::new(move |committed: Result<(), String>| {
-                        let _ = reply.send(committed.map(|()| value).map_err(StoreError::Database));
-                    }) as Committed),
-                    Err(error) => {
-                        let _ = reply.send(Err(error));
-                        None
-                    }
+        let body = Box::new(move |connection: Result<&Connection, &str>| {
+            let outcome = match connection {
+                Ok(connection) => body(connection),
+                Err(reason) => Err(StoreError::Database(reason.to_string())),
+            };
+            match outcome {
+                Ok(value) => Some(Box::new(move |committed: Result<(), String>| {
+                    let _ = reply.send(committed.map(|()| value).map_err(StoreError::Database));
+                }) as Committed),
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                    None
                 }
-            }))
-            .map_err(|_| no_answer())?;
+            }
+        });
+        self.jobs.send(WriteJob { body, deferred }).map_err(|_| no_answer())?;
         result.await.map_err(|_| no_answer())?
+    }
+}
+
+/// The writes the writer thread has taken and not yet committed.
+#[derive(Default)]
+struct Group {
+    bodies: Vec<WriteBody>,
+    /// A write that someone waits on is among them.
+    waited_on: bool,
+    /// When the oldest deferred write among them is due.
+    due: Option<Instant>,
+}
+
+impl Group {
+    fn take(&mut self, job: WriteJob) {
+        if job.deferred {
+            self.due.get_or_insert_with(|| Instant::now() + DEFERRED_WAIT);
+        } else {
+            self.waited_on = true;
+        }
+        self.bodies.push(job.body);
+    }
+
+    /// Whether to commit now rather than wait for more.
+    fn is_due(&self) -> bool {
+        self.waited_on || self.bodies.len() >= MAX_GROUP || self.due.is_some_and(|due| Instant::now() >= due)
+    }
+
+    fn drain(&mut self) -> std::vec::Drain<'_, WriteBody> {
+        (self.waited_on, self.due) = (false, None);
+        self.bodies.drain(..)
     }
 }
 
 /// Runs a group of writes in one transaction, each in a savepoint, commits,
 /// and tells the writes that succeeded how the commit went.
-fn commit_group(connection: &Connection, group: Vec<WriteJob>) {
+fn commit_group(connection: &Connection, group: impl ExactSizeIterator<Item = WriteBody>) {
     let mut waiting: Vec<Committed> = Vec::with_capacity(group.len());
     for job in group {
         let began = if connection.is_autocommit() { execute(connection, "BEGIN IMMEDIATE") } else { Ok(()) };
@@ -244,4 +325,56 @@ fn execute(connection: &Connection, statement: &str) -> rusqlite::Result<()> {
 
 fn no_answer() -> StoreError {
     StoreError::Database("the SQLite connection thread did not answer".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A writer on a fresh in-memory database with one table, and a count
+    /// of the commits it makes.
+    fn writer() -> (Writer, Arc<AtomicUsize>) {
+        let connection = Connection::open_in_memory().expect("opens");
+        connection.execute_batch("CREATE TABLE t (v INTEGER)").expect("table");
+        let commits = Arc::new(AtomicUsize::new(0));
+        let counted = commits.clone();
+        connection
+            .commit_hook(Some(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                false
+            }))
+            .expect("hook");
+        (Writer::start("test-writer", connection, None).expect("starts"), commits)
+    }
+
+    fn insert(value: i64) -> impl FnOnce(&Connection) -> StoreResult<usize> + Send + 'static {
+        move |connection| Ok(connection.execute("INSERT INTO t VALUES (?)", [value])?)
+    }
+
+    #[tokio::test]
+    async fn a_deferred_write_rides_in_the_next_commit_or_goes_alone_when_due() {
+        let (writer, commits) = writer();
+        // Alone, it is committed once its wait is over.
+        let started = Instant::now();
+        writer.write_deferred(insert(1)).await.expect("stored");
+        assert!(started.elapsed() >= DEFERRED_WAIT, "it waited for company");
+        assert_eq!(commits.load(Ordering::SeqCst), 1);
+
+        // With a write someone waits on right behind it, both go in one commit,
+        // without waiting out the deferral.
+        let deferred = tokio::spawn({
+            let writer = writer.clone();
+            async move { writer.write_deferred(insert(2)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let started = Instant::now();
+        writer.write(insert(3)).await.expect("stored");
+        deferred.await.expect("joins").expect("stored");
+        assert_eq!(commits.load(Ordering::SeqCst), 2, "one commit for both");
+        assert!(started.elapsed() < DEFERRED_WAIT * 20);
+        let rows: i64 =
+            writer.write(|c| Ok(c.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))?)).await.unwrap();
+        assert_eq!(rows, 3);
+    }
 }
