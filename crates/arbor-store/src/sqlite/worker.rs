@@ -13,9 +13,10 @@
 //! thousand small transactions a second the writer spent its time in the
 //! kernel writing the same hot pages (the newest rows of each table, the
 //! user's balance) again and again. The writer thread takes every write
-//! waiting when it is free, runs each in a savepoint of one transaction, and
-//! commits once: a write that fails is rolled back to its savepoint alone,
-//! and no write is answered before the commit that holds it is durable.
+//! waiting when it is free, runs them in one transaction (each after the
+//! first in a savepoint) and commits once: a write that fails is rolled back
+//! alone, and no write is answered before the commit that holds it is
+//! durable.
 //! When writes arrive one at a time, each is its own group.
 //!
 //! Some writes nobody waits on: a conversation's events are already with
@@ -273,8 +274,14 @@ impl Group {
 fn commit_group(connection: &Connection, group: impl ExactSizeIterator<Item = WriteBody>) {
     let mut waiting: Vec<Committed> = Vec::with_capacity(group.len());
     for job in group {
-        let began = if connection.is_autocommit() { execute(connection, "BEGIN IMMEDIATE") } else { Ok(()) };
-        if let Err(error) = began.and_then(|()| execute(connection, "SAVEPOINT write")) {
+        // A write that opens the transaction needs no savepoint: if it
+        // fails, rolling the transaction back undoes it and nothing else.
+        // Savepoints are not free — SQLite copies each page a savepoint
+        // changes into the statement journal first — so only the writes
+        // that join an open transaction pay for one.
+        let opens = connection.is_autocommit();
+        let began = if opens { execute(connection, "BEGIN IMMEDIATE") } else { execute(connection, "SAVEPOINT write") };
+        if let Err(error) = began {
             let _ = catch_unwind(AssertUnwindSafe(|| job(Err(&format!("cannot begin a write: {error}")))));
             continue;
         }
@@ -287,12 +294,15 @@ fn commit_group(connection: &Connection, group: impl ExactSizeIterator<Item = Wr
             abandon(connection, &mut waiting, "it was rolled back with a failed write of the same commit");
             continue;
         }
-        let unwound = match committed {
-            Some(committed) => {
+        let unwound = match (committed, opens) {
+            (Some(committed), opens) => {
                 waiting.push(committed);
-                execute(connection, "RELEASE write")
+                if opens { Ok(()) } else { execute(connection, "RELEASE write") }
             }
-            None => execute(connection, "ROLLBACK TO write").and_then(|()| execute(connection, "RELEASE write")),
+            (None, true) => execute(connection, "ROLLBACK"),
+            (None, false) => {
+                execute(connection, "ROLLBACK TO write").and_then(|()| execute(connection, "RELEASE write"))
+            }
         };
         if let Err(error) = unwound {
             tracing::error!(%error, "closing a SQLite savepoint failed");
@@ -376,5 +386,48 @@ mod tests {
         let rows: i64 =
             writer.write(|c| Ok(c.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))?)).await.unwrap();
         assert_eq!(rows, 3);
+    }
+
+    #[tokio::test]
+    async fn in_a_group_a_failed_write_is_undone_alone_whether_first_or_later() {
+        let (writer, commits) = writer();
+        // Hold the writer so the next writes queue up and go as one group.
+        let busy = tokio::spawn({
+            let writer = writer.clone();
+            async move {
+                writer
+                    .write(|_| {
+                        std::thread::sleep(Duration::from_millis(100));
+                        Ok(())
+                    })
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let failing = |value: i64| {
+            move |connection: &Connection| -> StoreResult<usize> {
+                connection.execute("INSERT INTO t VALUES (?)", [value])?;
+                Err(StoreError::Conflict("refused after writing".into()))
+            }
+        };
+        let (first, second, third, fourth) = tokio::join!(
+            writer.write(failing(1)),
+            writer.write(insert(2)),
+            writer.write(failing(3)),
+            writer.write(insert(4)),
+        );
+        busy.await.expect("joins").expect("held");
+        assert!(first.is_err() && third.is_err());
+        assert!(second.is_ok() && fourth.is_ok());
+        assert_eq!(commits.load(Ordering::SeqCst), 2, "the hold, then one commit for the four");
+        let kept: Vec<i64> = writer
+            .write(|c| {
+                let mut statement = c.prepare("SELECT v FROM t ORDER BY v")?;
+                let values = statement.query_map([], |row| row.get(0))?.collect::<Result<_, _>>()?;
+                Ok(values)
+            })
+            .await
+            .expect("reads");
+        assert_eq!(kept, [2, 4]);
     }
 }
