@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Per-thread cost of a JSON turn: runs Arbor (pinned to core 0, fresh SQLite
+# database) against the 0 ms mock (core 1), drives RATE turns/s for 12 s and
+# counts, over 5 s in the middle, each thread's CPU time and the SQLite
+# writer's pwrite and fcntl calls (two pwrites per WAL frame; ~6 fcntl lock
+# calls per commit), divided by the turns in the window. Alternate two
+# builds to compare them; single runs vary by ~10% on a shared VM.
+#
+#   bench/threadstat.sh [ARBOR_BIN] [RATE]      # defaults: the release build, 500
+#
+# Needs perf (syscall tracepoints) and a release build
+# (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+ARBOR_BIN=${1:-$BIN/arbor}
+RATE=${2:-500}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-threadstat.XXXXXX")
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
+LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 >"$WORK/mock.log" 2>&1 &
+PIDS+=($!)
+cat >"$WORK/arbor.toml" <<TOML
+default_model = "mock-0"
+[storage]
+database_url = "sqlite://$WORK/arbor.db"
+[providers.mock0]
+kind = "openai"
+base_url = "http://127.0.0.1:9100/v1"
+[models."mock-0"]
+provider = "mock0"
+context_window = 128000
+prices = { input = 150000, output = 600000 }
+TOML
+taskset -c 0 "$ARBOR_BIN" serve --data-dir "$WORK" --listen 127.0.0.1:8080 --config "$WORK/arbor.toml" \
+  >"$WORK/stdout" 2>"$WORK/stderr" &
+ARBOR_PID=$!
+PIDS+=("$ARBOR_PID")
+for _ in $(seq 1 100); do curl -s -o /dev/null -m 1 http://127.0.0.1:8080/healthz && break; sleep 0.2; done
+ARBOR_BENCH_KEY=$(sed -n 's/^    \(arb_[A-Za-z0-9_-]*\)$/\1/p' "$WORK/stdout" | head -n1)
+export ARBOR_BENCH_KEY
+taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
+  --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
+LOAD_PID=$!
+sleep 5
+perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,task-clock' --per-thread -p "$ARBOR_PID" \
+  -o "$WORK/perf.txt" -- sleep 5
+wait "$LOAD_PID"
+python3 - "$WORK/perf.txt" "$((RATE * 5))" <<'PY'
+import collections, re, sys
+path, turns = sys.argv[1], int(sys.argv[2])
+total = collections.defaultdict(float)
+for line in open(path):
+    match = re.match(r"\s*(\S+)-\d+\s+([\d.,]+)\s+(?:msec )?(\S+)", line)
+    if match:
+        thread, value, event = match.groups()
+        total[(thread, event)] += float(value.replace(",", ""))
+cpu = {thread: ms * 1000 / turns for (thread, event), ms in total.items() if event == "task-clock"}
+writer = "arbor-sqlite-wr"
+print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
+      ", ".join(f"{thread} {us:.0f}" for thread, us in sorted(cpu.items(), key=lambda item: -item[1])) + "); "
+      f"writer pwrite {total[(writer, 'syscalls:sys_enter_pwrite64')] / turns:.1f}, "
+      f"fcntl {total[(writer, 'syscalls:sys_enter_fcntl')] / turns:.1f}")
+PY
+grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"
