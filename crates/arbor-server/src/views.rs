@@ -109,10 +109,7 @@ pub fn turn(turn: &Turn) -> TurnView<'_> {
         cached_tokens: turn.usage.cached_tokens,
         cost_credits: cost.credits(),
         cost_cents_usd: cost.cents_usd(),
-        error: turn
-            .error_code
-            .as_deref()
-            .map(|code| TurnError { code, message: turn.error_message.as_deref() }),
+        error: turn.error_code.as_deref().map(|code| TurnError { code, message: turn.error_message.as_deref() }),
         created_at: rfc3339(turn.created_at),
         finished_at: turn.finished_at.map(rfc3339),
     }
