@@ -28,13 +28,16 @@ use crate::writer::EventWriter;
 /// from the recent buffer and the store. The channel allocates every slot
 /// (about 100 bytes each) when the hub is made, and a hub outlives its last
 /// turn by `HUB_IDLE` (lib.rs): at 1024 slots the hubs of a busy minute were
-/// most of the process's memory in the benchmark. A viewer that keeps up
-/// is never more than a few events behind; one that lags resyncs.
-const BROADCAST_CAPACITY: usize = 128;
+/// most of the process's memory in the benchmark, and at 128 still about
+/// half of it at 1,000 turns/s with the 60 ms mock. A viewer that keeps up
+/// is never more than a few events behind (chunks that arrive together are
+/// one event); one that lags resyncs.
+const BROADCAST_CAPACITY: usize = 32;
 /// Recent events kept in memory once stored (unstored ones are always kept).
 const RECENT_KEPT: usize = 4096;
-/// What stays of them once a turn has ended.
-const RECENT_BETWEEN_TURNS: usize = 64;
+/// What stays of them once a turn has ended: enough for a viewer that
+/// reconnects right after `done`; one further back replays from the store.
+const RECENT_BETWEEN_TURNS: usize = 8;
 
 /// The turn that holds the conversation's slot.
 #[derive(Clone)]
