@@ -24,28 +24,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
-LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 >"$WORK/mock.log" 2>&1 &
-PIDS+=($!)
-cat >"$WORK/arbor.toml" <<TOML
-default_model = "mock-0"
-[storage]
-database_url = "sqlite://$WORK/arbor.db"
-[providers.mock0]
-kind = "openai"
-base_url = "http://127.0.0.1:9100/v1"
-[models."mock-0"]
-provider = "mock0"
-context_window = 128000
-prices = { input = 150000, output = 600000 }
-TOML
+source "$ROOT/bench/mock0.sh"
+start_mock0
 taskset -c 0 "$ARBOR_BIN" serve --data-dir "$WORK" --listen 127.0.0.1:8080 --config "$WORK/arbor.toml" \
   >"$WORK/stdout" 2>"$WORK/stderr" &
 ARBOR_PID=$!
 PIDS+=("$ARBOR_PID")
-for _ in $(seq 1 100); do curl -s -o /dev/null -m 1 http://127.0.0.1:8080/healthz && break; sleep 0.2; done
-ARBOR_BENCH_KEY=$(sed -n 's/^    \(arb_[A-Za-z0-9_-]*\)$/\1/p' "$WORK/stdout" | head -n1)
-export ARBOR_BENCH_KEY
+await_arbor 100 0.2
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
 LOAD_PID=$!

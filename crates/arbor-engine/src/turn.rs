@@ -693,6 +693,13 @@ mod tests {
     use crate::hub::Numbering;
     use crate::writer::EventWriter;
 
+    /// A hub numbering its events in memory, with a real event writer.
+    async fn hub() -> Arc<Hub> {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let (writer, _task) = EventWriter::start(Arc::new(store));
+        Hub::new("c1", 0, writer, Numbering::Local)
+    }
+
     fn events_of(hub: &Hub) -> Vec<(EventName, serde_json::Value)> {
         let backlog = hub.subscribe(0).backlog;
         backlog.iter().map(|event| (event.name, serde_json::from_str(&event.data).expect("json"))).collect()
@@ -700,9 +707,7 @@ mod tests {
 
     #[tokio::test]
     async fn chunks_taken_together_go_out_as_one_event_per_kind_in_order() {
-        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
-        let (writer, _task) = EventWriter::start(Arc::new(store));
-        let hub = Hub::new("c1", 0, writer, Numbering::Local);
+        let hub = hub().await;
         let turn: Arc<str> = Arc::from("t1");
         let mut forwarder = ChunkForwarder::default();
         let chunks = [
@@ -737,9 +742,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_flush_between_chunks_sends_each_one_as_it_comes() {
-        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
-        let (writer, _task) = EventWriter::start(Arc::new(store));
-        let hub = Hub::new("c1", 0, writer, Numbering::Local);
+        let hub = hub().await;
         let turn: Arc<str> = Arc::from("t1");
         let mut forwarder = ChunkForwarder::default();
         forwarder.forward(&hub, &turn, &Chunk::Text("first".into()));

@@ -1468,24 +1468,27 @@ mod tests {
         assert!(store.user("u").await.expect("reads").is_some_and(|user| user.name.starts_with("2999")));
     }
 
+    /// Writes a database file with the schema of versions 1 and 2 (what an
+    /// earlier Arbor made), then `sql`.
+    fn schema_two_with(path: &Path, sql: &str) {
+        let connection = Connection::open(path).expect("opens");
+        for (_, _, migration) in &MIGRATIONS[..2] {
+            connection.execute_batch(migration).expect("schema");
+        }
+        connection.execute_batch(sql).expect("rows");
+    }
+
     #[tokio::test]
     async fn databases_migrated_by_sqlx_are_not_migrated_again() {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("old.db");
-        {
-            // The shape an earlier Arbor left: the schema and sqlx's table.
-            let connection = Connection::open(&path).expect("opens");
-            for (_, _, sql) in &MIGRATIONS[..2] {
-                connection.execute_batch(sql).expect("schema");
-            }
-            connection
-                .execute_batch(
-                    "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, success BOOLEAN NOT NULL); \
-                     INSERT INTO _sqlx_migrations VALUES (1, TRUE), (2, TRUE); \
-                     INSERT INTO users (id, name, is_admin, created_at) VALUES ('u', 'kept', 0, 1);",
-                )
-                .expect("sqlx table");
-        }
+        // The shape an earlier Arbor left: the schema and sqlx's table.
+        schema_two_with(
+            &path,
+            "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, success BOOLEAN NOT NULL); \
+             INSERT INTO _sqlx_migrations VALUES (1, TRUE), (2, TRUE); \
+             INSERT INTO users (id, name, is_admin, created_at) VALUES ('u', 'kept', 0, 1);",
+        );
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens again");
         assert_eq!(store.user("u").await.expect("reads").map(|user| user.name), Some("kept".to_string()));
         let version: i64 =
@@ -1501,28 +1504,21 @@ mod tests {
     async fn the_messages_rebuild_keeps_every_row_its_order_and_its_foreign_keys() {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("v2.db");
-        {
-            // A database as the schema of version 2 left it, with a tree.
-            let connection = Connection::open(&path).expect("opens");
-            for (_, _, sql) in &MIGRATIONS[..2] {
-                connection.execute_batch(sql).expect("schema");
-            }
-            connection
-                .execute_batch(
-                    "PRAGMA user_version = 2; PRAGMA foreign_keys = ON; \
-                     INSERT INTO users (id, name, created_at) VALUES ('u', 'ann', 1); \
-                     INSERT INTO conversations (id, owner_id, model, created_at, updated_at) \
-                         VALUES ('c', 'u', 'demo', 1, 1); \
-                     INSERT INTO messages (conversation_id, id, parent_id, role, content, created_at) VALUES \
-                         ('c', 'z-root', NULL, 'user', 'first', 1), \
-                         ('c', 'a-reply', 'z-root', 'assistant', 'second', 2), \
-                         ('c', 'm-next', 'a-reply', 'user', 'third', 3); \
-                     INSERT INTO turns (id, conversation_id, user_id, user_message_id, status, model, created_at) VALUES \
-                         ('t-done', 'c', 'u', 'z-root', 'succeeded', 'demo', 1), \
-                         ('t-waiting', 'c', 'u', 'm-next', 'queued', 'demo', 2);",
-                )
-                .expect("rows");
-        }
+        // A database as the schema of version 2 left it, with a tree.
+        schema_two_with(
+            &path,
+            "PRAGMA user_version = 2; PRAGMA foreign_keys = ON; \
+             INSERT INTO users (id, name, created_at) VALUES ('u', 'ann', 1); \
+             INSERT INTO conversations (id, owner_id, model, created_at, updated_at) \
+                 VALUES ('c', 'u', 'demo', 1, 1); \
+             INSERT INTO messages (conversation_id, id, parent_id, role, content, created_at) VALUES \
+                 ('c', 'z-root', NULL, 'user', 'first', 1), \
+                 ('c', 'a-reply', 'z-root', 'assistant', 'second', 2), \
+                 ('c', 'm-next', 'a-reply', 'user', 'third', 3); \
+             INSERT INTO turns (id, conversation_id, user_id, user_message_id, status, model, created_at) VALUES \
+                 ('t-done', 'c', 'u', 'z-root', 'succeeded', 'demo', 1), \
+                 ('t-waiting', 'c', 'u', 'm-next', 'queued', 'demo', 2);",
+        );
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("migrates");
         let version: i64 =
             store.read(|c| Ok(c.query_row("PRAGMA user_version", [], |row| row.get(0))?)).await.expect("reads");
