@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, ffi, params};
 use tokio::sync::broadcast;
 
-use self::worker::{Readers, Writer};
+use self::worker::{PointReaders, Readers, Writer};
 use crate::codec::{self, NodeColumns, to_i64};
 use crate::*;
 
@@ -117,6 +117,9 @@ pub struct SqliteStore {
     /// Several connections for reads, which WAL lets run beside the writer
     /// (`None` for an in-memory database: its one connection does both).
     reader: Option<Readers>,
+    /// Connections for point reads on the caller's thread (see
+    /// [`PointReaders`]; `None` for an in-memory database).
+    point: Option<Arc<PointReaders>>,
     /// Notices stay in this process: a SQLite database serves one node.
     notices: broadcast::Sender<Notice>,
     /// Keeps the WAL checkpointing thread running while any clone of the
@@ -143,6 +146,7 @@ impl SqliteStore {
                 Ok(SqliteStore {
                     writer: Writer::start("arbor-sqlite", connection, None).map_err(thread_error)?,
                     reader: None,
+                    point: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
                     _alive: Arc::new(()),
                 })
@@ -158,7 +162,7 @@ impl SqliteStore {
                 .map_err(|error| StoreError::Database(format!("cannot create {}: {error}", parent.display())))?;
         }
         let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 4);
-        let (writer, reader_connections, checkpointer) = blocking(move || {
+        let (writer, reader_connections, point_connections, checkpointer) = blocking(move || {
             let mut writer = open_connection(&path)?;
             // A checkpoint copies the WAL into the database file and fsyncs
             // both, which takes milliseconds on a real disk. SQLite runs one
@@ -172,8 +176,8 @@ impl SqliteStore {
             writer.pragma_update(None, "wal_autocheckpoint", 0)?;
             writer.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
             migrate(&mut writer)?;
-            let readers = (0..readers).map(|_| open_connection(&path)).collect::<StoreResult<Vec<_>>>()?;
-            Ok((writer, readers, open_connection(&path)?))
+            let open_readers = || (0..readers).map(|_| open_connection(&path)).collect::<StoreResult<Vec<_>>>();
+            Ok((writer, open_readers()?, open_readers()?, open_connection(&path)?))
         })
         .await?;
         let alive = Arc::new(());
@@ -185,6 +189,7 @@ impl SqliteStore {
         Ok(SqliteStore {
             writer: Writer::start("arbor-sqlite-writer", writer, Some(wal_limit)).map_err(thread_error)?,
             reader: Some(Readers::start("arbor-sqlite-reader", reader_connections).map_err(thread_error)?),
+            point: Some(Arc::new(PointReaders::new(point_connections))),
             notices: broadcast::channel(NOTICE_BUFFER).0,
             _alive: alive,
         })
@@ -213,6 +218,24 @@ impl SqliteStore {
             Some(reader) => reader.run(body).await,
             None => self.writer.write(body).await,
         }
+    }
+
+    /// Runs `body`, a point read (one row by its key, a few microseconds),
+    /// on this thread when a connection for it is idle, else like
+    /// [`SqliteStore::read`] (see [`PointReaders`]).
+    async fn read_point<T, F>(&self, body: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let body = match &self.point {
+            Some(point) => match point.try_run(body) {
+                Ok(result) => return result,
+                Err(body) => body,
+            },
+            None => body,
+        };
+        self.read(body).await
     }
 }
 
@@ -647,7 +670,7 @@ impl Store for SqliteStore {
 
     async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
         let name = name.to_string();
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE name = ?"), [name], |row| {
                 codec::user_from_row(row)
             })
@@ -657,7 +680,7 @@ impl Store for SqliteStore {
 
     async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
         let user_id = user_id.to_string();
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE id = ?"), [user_id], |row| {
                 codec::user_from_row(row)
             })
@@ -689,7 +712,7 @@ impl Store for SqliteStore {
 
     async fn user_by_key_hash(&self, key_hash: &str) -> StoreResult<Option<User>> {
         let key_hash = key_hash.to_string();
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             query_one(
                 connection,
                 "SELECT users.id, users.name, users.is_admin, users.balance_credits, \
@@ -731,7 +754,7 @@ impl Store for SqliteStore {
 
     async fn conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<Option<Conversation>> {
         let (owner_id, conversation_id) = (owner_id.to_string(), conversation_id.to_string());
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             query_one(
                 connection,
                 concat!("SELECT ", conversation_columns!(), " FROM conversations WHERE owner_id = ? AND id = ?"),
@@ -872,7 +895,7 @@ impl Store for SqliteStore {
 
     async fn message(&self, conversation_id: &str, message_id: &str) -> StoreResult<Option<Node>> {
         let (conversation_id, message_id) = (conversation_id.to_string(), message_id.to_string());
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             query_one(
                 connection,
                 concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? AND id = ?"),
@@ -945,7 +968,7 @@ impl Store for SqliteStore {
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
         let (conversation_id, turn_id) = (conversation_id.to_string(), turn_id.to_string());
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             query_one(
                 connection,
                 concat!("SELECT ", turn_columns!(), " FROM turns WHERE conversation_id = ? AND id = ?"),
@@ -1096,7 +1119,7 @@ impl Store for SqliteStore {
 
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
         let conversation_id = conversation_id.to_string();
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             Ok(connection
                 .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?")?
                 .query_row([conversation_id], |row| row.get(0))?)
@@ -1183,7 +1206,7 @@ impl Store for SqliteStore {
 
     async fn available_credits(&self, user_id: &str) -> StoreResult<Option<i64>> {
         let user_id = user_id.to_string();
-        self.read(move |connection| available_credits(connection, &user_id)).await
+        self.read_point(move |connection| available_credits(connection, &user_id)).await
     }
 
     async fn renew_lease(&self, turn_id: &str, owner: &str, expires_at: Millis) -> StoreResult<bool> {
@@ -1222,7 +1245,7 @@ impl Store for SqliteStore {
 
     async fn turn_lease(&self, turn_id: &str) -> StoreResult<Option<(String, Millis)>> {
         let turn_id = turn_id.to_string();
-        self.read(move |connection| {
+        self.read_point(move |connection| {
             let row: Option<(Option<String>, Option<i64>)> = connection
                 .prepare_cached("SELECT lease_owner, lease_expires_at FROM turns WHERE id = ?")?
                 .query_row([turn_id], |row| Ok((row.get(0)?, row.get(1)?)))
@@ -1283,7 +1306,36 @@ mod tests {
         for _ in 0..16 {
             values.push(store.read(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap());
         }
+        values.push(store.read_point(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap());
         values
+    }
+
+    #[tokio::test]
+    async fn point_reads_do_not_wait_behind_long_reads() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store = SqliteStore::open(&format!("sqlite://{}", folder.path().join("a.db").display())).await.unwrap();
+        store.create_user(&owner()).await.expect("user");
+        // Every reader thread busy with a slow read (a big tree, a listing).
+        let slow: Vec<_> = (0..8)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    store
+                        .read(|_| {
+                            std::thread::sleep(Duration::from_millis(400));
+                            Ok(())
+                        })
+                        .await
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let started = std::time::Instant::now();
+        assert_eq!(store.user(&owner().id).await.expect("reads"), Some(owner()));
+        assert!(started.elapsed() < Duration::from_millis(200), "answered in {:?}", started.elapsed());
+        for read in slow {
+            read.await.expect("joins").expect("reads");
+        }
     }
 
     #[tokio::test]

@@ -111,6 +111,58 @@ impl Readers {
     }
 }
 
+/// Connections for point reads (one row by its key), run right on the
+/// caller's thread.
+///
+/// A reader thread costs each read two thread switches: the job's hand-off
+/// and the answer's wake-up. A point read itself takes a few microseconds,
+/// less than those switches (with Arbor on one core, every hand-off is one),
+/// and a turn makes two of them (its conversation and the user's credits).
+/// So a point read borrows an idle connection and runs where it was asked;
+/// with none idle (every connection busy on another worker thread) it goes
+/// to the reader threads as before. Reads that may take long (a whole tree,
+/// a listing, a stream's events) always go to the reader threads, which
+/// never hold up an async worker. In WAL mode a read never waits for the
+/// writer; it can wait only for another process's checkpoint to finish
+/// resetting the WAL (`SQLITE_BUSY` retried under the busy timeout), which
+/// is rare and short.
+#[derive(Debug, Default)]
+pub(super) struct PointReaders {
+    idle: Mutex<Vec<Connection>>,
+}
+
+impl PointReaders {
+    pub fn new(connections: Vec<Connection>) -> PointReaders {
+        PointReaders { idle: Mutex::new(connections) }
+    }
+
+    /// Runs `job` on an idle connection, or gives it back when none is.
+    pub fn try_run<T, F>(&self, job: F) -> Result<StoreResult<T>, F>
+    where
+        F: FnOnce(&Connection) -> StoreResult<T>,
+    {
+        let Some(connection) = self.idle.lock().ok().and_then(|mut idle| idle.pop()) else { return Err(job) };
+        // Given back even when `job` panics (a bug): the connection holds no
+        // open transaction once a statement is done or dropped.
+        let borrowed = Borrowed { pool: self, connection: Some(connection) };
+        Ok(job(borrowed.connection.as_ref().expect("held until dropped")))
+    }
+}
+
+/// A connection taken from a [`PointReaders`], given back when dropped.
+struct Borrowed<'a> {
+    pool: &'a PointReaders,
+    connection: Option<Connection>,
+}
+
+impl Drop for Borrowed<'_> {
+    fn drop(&mut self) {
+        if let (Some(connection), Ok(mut idle)) = (self.connection.take(), self.pool.idle.lock()) {
+            idle.push(connection);
+        }
+    }
+}
+
 /// What a write that succeeded waits for: the outcome of the commit that
 /// holds it (`Err` with the reason when that commit failed).
 type Committed = Box<dyn FnOnce(Result<(), String>) + Send>;
@@ -361,6 +413,29 @@ mod tests {
 
     fn insert(value: i64) -> impl FnOnce(&Connection) -> StoreResult<usize> + Send + 'static {
         move |connection| Ok(connection.execute("INSERT INTO t VALUES (?)", [value])?)
+    }
+
+    #[test]
+    fn a_point_read_borrows_an_idle_connection_or_gives_the_job_back() {
+        let open = || {
+            let connection = Connection::open_in_memory().expect("opens");
+            connection.execute_batch("CREATE TABLE t (v INTEGER)").expect("table");
+            connection
+        };
+        let point = PointReaders::new(vec![open(), open()]);
+        let count =
+            |c: &Connection| -> StoreResult<i64> { Ok(c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))?) };
+        // Two connections: two nested reads get one each, a third none.
+        let nested = point.try_run(|_| {
+            let inner = point.try_run(|_| Ok(point.try_run(count).is_err()));
+            Ok(matches!(inner, Ok(Ok(true))))
+        });
+        assert!(matches!(nested, Ok(Ok(true))), "the third read was given back");
+        // Both went back, also after a read that panicked.
+        let panicked = catch_unwind(AssertUnwindSafe(|| point.try_run(|_| -> StoreResult<()> { panic!("a bug") })));
+        assert!(panicked.is_err());
+        let both = point.try_run(|_| Ok(matches!(point.try_run(count), Ok(Ok(0)))));
+        assert!(matches!(both, Ok(Ok(true))), "two connections idle again");
     }
 
     #[tokio::test]
