@@ -57,6 +57,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../../migrations/sqlite/0001_initial.sql")),
     (2, "turn pending messages", include_str!("../../migrations/sqlite/0002_turn_pending_messages.sql")),
     (3, "lighter turn writes", include_str!("../../migrations/sqlite/0003_lighter_turn_writes.sql")),
+    (4, "ledger index ascending", include_str!("../../migrations/sqlite/0004_ledger_index_ascending.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -1545,15 +1546,19 @@ mod tests {
         assert_eq!(store.user("u").await.expect("reads").map(|user| user.name), Some("kept".to_string()));
         let version: i64 =
             store.read(|c| Ok(c.query_row("PRAGMA user_version", [], |row| row.get(0))?)).await.expect("reads");
-        assert_eq!(version, 3, "only the migration sqlx never saw was applied");
+        assert_eq!(version, latest_version(), "the migrations sqlx never saw were applied");
         drop(store);
         // Opening once more still finds everything in place.
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens a third time");
         assert_eq!(store.count_users().await.expect("counts"), 1);
     }
 
+    fn latest_version() -> i64 {
+        MIGRATIONS.last().expect("migrations").0
+    }
+
     #[tokio::test]
-    async fn the_messages_rebuild_keeps_every_row_its_order_and_its_foreign_keys() {
+    async fn the_migrations_keep_every_row_its_order_and_its_foreign_keys() {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("v2.db");
         // A database as the schema of version 2 left it, with a tree.
@@ -1569,12 +1574,18 @@ mod tests {
                  ('c', 'm-next', 'a-reply', 'user', 'third', 3); \
              INSERT INTO turns (id, conversation_id, user_id, user_message_id, status, model, created_at) VALUES \
                  ('t-done', 'c', 'u', 'z-root', 'succeeded', 'demo', 1), \
-                 ('t-waiting', 'c', 'u', 'm-next', 'queued', 'demo', 2);",
+                 ('t-waiting', 'c', 'u', 'm-next', 'queued', 'demo', 2); \
+             INSERT INTO api_calls (id, turn_id, conversation_id, user_id, kind, provider, model, input_tokens, \
+                 output_tokens, thinking_tokens, cached_tokens, cache_write_tokens, latency_ms, status, \
+                 cost_micro_usd, created_at) VALUES ('a1', 't-done', 'c', 'u', 'llm', 'demo', 'demo', 10, 20, 0, 0, 0, \
+                 5, 'ok', 14, 1); \
+             INSERT INTO cost_ledger (id, user_id, api_call_id, credits, balance_after, created_at) VALUES \
+                 ('l1', 'u', 'a1', 14, 986, 1), ('l2', 'u', 'a1', 1, 985, 2);",
         );
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("migrates");
         let version: i64 =
             store.read(|c| Ok(c.query_row("PRAGMA user_version", [], |row| row.get(0))?)).await.expect("reads");
-        assert_eq!(version, 3);
+        assert_eq!(version, latest_version());
 
         let ids = |nodes: Vec<Node>| nodes.into_iter().map(|node| (node.id, node.parent_id)).collect::<Vec<_>>();
         let kept = ids(store.messages("c").await.expect("reads"));
@@ -1592,6 +1603,24 @@ mod tests {
             .await
             .expect("reads");
         assert!(!schema.contains("AUTOINCREMENT"), "{schema}");
+
+        // Turns, calls and charges are all there; the statement still reads
+        // newest first, through the index without a sort.
+        let queued = store.turns_with_status(&[TurnStatus::Queued]).await.expect("reads");
+        assert_eq!(queued.iter().map(|turn| turn.id.as_str()).collect::<Vec<_>>(), ["t-waiting"]);
+        let calls = store.api_calls("t-done").await.expect("reads");
+        assert_eq!((calls.len(), calls[0].cost_micro_usd), (1, 14));
+        let statement = store.ledger("u", 10).await.expect("reads");
+        assert_eq!(statement.iter().map(|entry| entry.id.as_str()).collect::<Vec<_>>(), ["l2", "l1"], "newest first");
+        let plan: Vec<String> = store
+            .read(|c| {
+                let sql = "EXPLAIN QUERY PLAN SELECT * FROM cost_ledger WHERE user_id = 'u' \
+                           ORDER BY created_at DESC, id DESC LIMIT 10";
+                Ok(c.prepare(sql)?.query_map([], |row| row.get(3))?.collect::<Result<_, _>>()?)
+            })
+            .await
+            .expect("plans");
+        assert_eq!(plan, ["SEARCH cost_ledger USING INDEX cost_ledger_by_user (user_id=?)"], "no sort");
 
         // The rebuilt table still refuses a parent that is not there, and
         // foreign keys are back on for every connection.
@@ -1621,6 +1650,8 @@ mod tests {
             .await
             .expect("reads");
         assert_eq!(left, 0);
+        let turns_left = store.turns_with_status(&[TurnStatus::Queued]).await.expect("reads");
+        assert!(turns_left.is_empty(), "its turns went with it");
     }
 
     #[tokio::test]
