@@ -1580,7 +1580,9 @@ mod tests {
                  cost_micro_usd, created_at) VALUES ('a1', 't-done', 'c', 'u', 'llm', 'demo', 'demo', 10, 20, 0, 0, 0, \
                  5, 'ok', 14, 1); \
              INSERT INTO cost_ledger (id, user_id, api_call_id, credits, balance_after, created_at) VALUES \
-                 ('l1', 'u', 'a1', 14, 986, 1), ('l2', 'u', 'a1', 1, 985, 2);",
+                 ('l1', 'u', 'a1', 14, 986, 1), ('l2', 'u', 'a1', 1, 985, 2); \
+             INSERT INTO events (conversation_id, seq, turn_id, name, data, created_at) VALUES \
+                 ('c', 2, 't-done', 'delta', '{\"text\":\"hi\"}', 1), ('c', 1, 't-done', 'turn.started', '{}', 1);",
         );
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("migrates");
         let version: i64 =
@@ -1622,6 +1624,25 @@ mod tests {
             .expect("plans");
         assert_eq!(plan, ["SEARCH cost_ledger USING INDEX cost_ledger_by_user (user_id=?)"], "no sort");
 
+        // The events replay in their numbering, from any number on; a
+        // number already used is still refused.
+        let seqs =
+            |events: Vec<Event>| events.into_iter().map(|event| (event.seq, event.name.as_str())).collect::<Vec<_>>();
+        assert_eq!(seqs(store.events_after("c", 0, 10).await.expect("reads")), [(1, "turn.started"), (2, "delta")]);
+        assert_eq!(seqs(store.events_after("c", 1, 10).await.expect("reads")), [(2, "delta")]);
+        assert_eq!(store.last_event_seq("c").await.expect("reads"), 2);
+        let again = Event { seq: 2, ..store.events_after("c", 1, 1).await.expect("reads").remove(0) };
+        assert!(matches!(store.append_events(&[again]).await, Err(StoreError::Conflict(_))));
+        let plan: Vec<String> = store
+            .read(|c| {
+                let sql = "EXPLAIN QUERY PLAN SELECT * FROM events WHERE conversation_id = 'c' AND seq > 1 \
+                           ORDER BY seq LIMIT 10";
+                Ok(c.prepare(sql)?.query_map([], |row| row.get(3))?.collect::<Result<_, _>>()?)
+            })
+            .await
+            .expect("plans");
+        assert_eq!(plan, ["SEARCH events USING PRIMARY KEY (conversation_id=? AND seq>?)"]);
+
         // The rebuilt table still refuses a parent that is not there, and
         // foreign keys are back on for every connection.
         assert!(on_every_connection(&store, "PRAGMA foreign_keys").await.iter().all(|&on| on == 1));
@@ -1650,6 +1671,7 @@ mod tests {
             .await
             .expect("reads");
         assert_eq!(left, 0);
+        assert!(store.events_after("c", 0, 10).await.expect("reads").is_empty(), "its events went with it");
         let turns_left = store.turns_with_status(&[TurnStatus::Queued]).await.expect("reads");
         assert!(turns_left.is_empty(), "its turns went with it");
     }
