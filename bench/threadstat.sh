@@ -35,7 +35,7 @@ taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:
   --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
 LOAD_PID=$!
 sleep 5
-perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
+perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_enter_fsync,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
   -o "$WORK/perf.txt" -- sleep 5
 wait "$LOAD_PID"
 python3 - "$WORK/perf.txt" "$((RATE * 5))" <<'PY'
@@ -52,7 +52,9 @@ writer = "arbor-sqlite-wr"
 print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
       ", ".join(f"{thread} {us:.0f}" for thread, us in sorted(cpu.items(), key=lambda item: -item[1])) + "); "
       f"writer pwrite {total[(writer, 'syscalls:sys_enter_pwrite64')] / turns:.1f}, "
-      f"fcntl {total[(writer, 'syscalls:sys_enter_fcntl')] / turns:.1f}; context switches "
+      f"fcntl {total[(writer, 'syscalls:sys_enter_fcntl')] / turns:.1f}, "
+      f"fsync {total[(writer, 'syscalls:sys_enter_fsync')] / turns:.2f} "
+      f"(checkpointer {total[('arbor-sqlite-ch', 'syscalls:sys_enter_fsync')] / turns:.2f}); context switches "
       f"{sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
 PY
 grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"

@@ -17,7 +17,7 @@ mod worker;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, ffi, params};
 use tokio::sync::broadcast;
 
-use self::worker::{PointReaders, Readers, Writer};
+use self::worker::{PointReaders, Readers, WalLength, Writer};
 use crate::codec::{self, NodeColumns, to_i64};
 use crate::*;
 
@@ -145,7 +145,8 @@ impl SqliteStore {
                 })
                 .await?;
                 Ok(SqliteStore {
-                    writer: Writer::start("arbor-sqlite", connection, None).map_err(thread_error)?,
+                    writer: Writer::start("arbor-sqlite", connection, None, WalLength::default())
+                        .map_err(thread_error)?,
                     reader: None,
                     point: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
@@ -183,12 +184,14 @@ impl SqliteStore {
         .await?;
         let alive = Arc::new(());
         let watched = Arc::downgrade(&alive);
+        let wal_length = WalLength::default();
+        let watched_length = wal_length.clone();
         std::thread::Builder::new()
             .name("arbor-sqlite-checkpoint".into())
-            .spawn(move || checkpoint_wal(&checkpointer, &watched))
+            .spawn(move || checkpoint_wal(&checkpointer, &watched, &watched_length, wal_limit))
             .map_err(thread_error)?;
         Ok(SqliteStore {
-            writer: Writer::start("arbor-sqlite-writer", writer, Some(wal_limit)).map_err(thread_error)?,
+            writer: Writer::start("arbor-sqlite-writer", writer, Some(wal_limit), wal_length).map_err(thread_error)?,
             reader: Some(Readers::start("arbor-sqlite-reader", reader_connections).map_err(thread_error)?),
             point: Some(Arc::new(PointReaders::new(point_connections))),
             notices: broadcast::channel(NOTICE_BUFFER).0,
@@ -332,30 +335,71 @@ fn apply_migrations(connection: &mut Connection, version: i64) -> StoreResult<()
     Ok(())
 }
 
-/// How often the WAL is checkpointed while writes come in (see
-/// `open_file`): often, so that what the writer has left to copy when it
-/// starts the WAL over stays small.
-const CHECKPOINT_BUSY: Duration = Duration::from_millis(10);
-/// How often it is looked at while no writes come.
-const CHECKPOINT_IDLE: Duration = Duration::from_millis(200);
+/// How many frames the WAL may hold beyond those already copied before the
+/// background thread copies them (16 MiB), unless writes come fast.
+///
+/// Copying everything has a price later: the next commit then starts the
+/// WAL over, and starting over writes a new WAL header and fsyncs it (SQLite
+/// does that in every synchronous mode but OFF), in that commit, on the
+/// turn's path. Checkpointing every 10 ms regardless, as before, meant that
+/// at 50 turns/s nearly every other turn waited for that fsync (0.45 fsyncs
+/// per turn on the writer, `bench/threadstat.sh`), and the checkpoints' own
+/// two fsyncs each came once per turn. A turn writes ~33 frames, so at this
+/// threshold the WAL starts over about once per 120 turns.
+///
+/// Under fast writes ([`CHECKPOINT_FAST`]) that changes: a checkpoint then
+/// rarely copies everything (a commit lands while it runs), so the WAL
+/// seldom starts over anyway, and copying thousands of frames at once was
+/// measured to hurt: at 1,000 turns/s p99 rose from ~12 ms to ~25 ms. So
+/// fast writes are copied at every look, a few hundred frames at a time.
+/// The same goes for the stretch before the writer's own limit, past which
+/// the writer copies what is left itself while writes wait.
+const CHECKPOINT_FRAMES: std::ffi::c_int = 4096;
+/// Frames written within [`CHECKPOINT_WINDOW`] from which writes count as
+/// fast (20,000 a second, ~600 turns/s).
+const CHECKPOINT_FAST: std::ffi::c_int = 2000;
+const CHECKPOINT_WINDOW: Duration = Duration::from_millis(100);
+/// How often the background thread looks at the WAL's length.
+const CHECKPOINT_POLL: Duration = Duration::from_millis(10);
+/// After this long without a commit, whatever is left is copied too, so an
+/// idle database's file is up to date.
+const CHECKPOINT_IDLE: Duration = Duration::from_secs(2);
 
 /// Checkpoints the WAL until the store is gone. PASSIVE copies what no
 /// reader still needs and never waits for a lock. The WAL starts over only
 /// from the writer (see [`worker`]), which then has little left to copy.
-fn checkpoint_wal(connection: &Connection, alive: &Weak<()>) {
-    let mut last_frames = 0;
-    let mut pause = CHECKPOINT_IDLE;
+fn checkpoint_wal(connection: &Connection, alive: &Weak<()>, wal: &WalLength, wal_limit: std::ffi::c_int) {
+    // Frames of the current WAL known to be copied; the length last seen and
+    // when it last changed; frames written in the current window, and
+    // whether the last window's writes were fast.
+    let (mut copied, mut seen, mut changed) = (0, 0, Instant::now());
+    let (mut window, mut written, mut fast) = (Instant::now(), 0, false);
     loop {
-        std::thread::sleep(pause);
+        std::thread::sleep(CHECKPOINT_POLL);
         if alive.strong_count() == 0 {
             break;
         }
+        let frames = wal.frames();
+        if frames != seen {
+            // A shorter WAL started over, with `frames` new ones.
+            written += if frames > seen { frames - seen } else { frames };
+            (seen, changed) = (frames, Instant::now());
+        }
+        if window.elapsed() >= CHECKPOINT_WINDOW {
+            (fast, written, window) = (written >= CHECKPOINT_FAST, 0, Instant::now());
+        }
+        if frames < copied {
+            copied = 0;
+        }
+        let waiting = frames - copied;
+        let due = waiting >= CHECKPOINT_FRAMES
+            || waiting > 0 && (fast || frames > wal_limit - CHECKPOINT_FRAMES || changed.elapsed() >= CHECKPOINT_IDLE);
+        if !due {
+            continue;
+        }
         // (busy, frames in the WAL, frames copied)
-        match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(1)) {
-            Ok(frames) => {
-                pause = if frames == last_frames { CHECKPOINT_IDLE } else { CHECKPOINT_BUSY };
-                last_frames = frames;
-            }
+        match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, std::ffi::c_int>(2)) {
+            Ok(done) => copied = done.max(0),
             Err(error) => tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed"),
         }
     }
@@ -1421,8 +1465,9 @@ mod tests {
         // WAL: it sees the row only once a checkpoint has copied it there.
         let file_only = format!("file:{}?immutable=1", path.display());
         let mut checkpointed = false;
-        for _ in 0..50 {
-            tokio::time::sleep(CHECKPOINT_IDLE).await;
+        // Once the writes stop, it is copied whatever the WAL's length.
+        for _ in 0..100 {
+            tokio::time::sleep(CHECKPOINT_IDLE / 20).await;
             let connection =
                 Connection::open_with_flags(&file_only, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_URI)
                     .expect("opens");
@@ -1434,6 +1479,25 @@ mod tests {
             }
         }
         assert!(checkpointed, "the background thread copied the commit into the database file");
+    }
+
+    /// Starting the WAL over costs the commit that does it an fsync, so a
+    /// trickle of writes must not start it over each time.
+    #[tokio::test]
+    async fn a_trickle_of_writes_keeps_appending_to_one_wal() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let path = folder.path().join("a.db");
+        let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("opens");
+        store.create_user(&owner()).await.expect("writes");
+        // The salts in the WAL header change whenever the WAL starts over.
+        let salts = || std::fs::read(folder.path().join("a.db-wal")).expect("a WAL")[16..24].to_vec();
+        let first = salts();
+        for n in 0..30 {
+            store.set_balance(&owner().id, Some(n)).await.expect("writes");
+            tokio::time::sleep(CHECKPOINT_POLL * 2).await;
+        }
+        assert_eq!(salts(), first, "the WAL was started over");
+        assert_eq!(store.user(&owner().id).await.expect("reads").and_then(|user| user.balance_credits), Some(29));
     }
 
     #[tokio::test]

@@ -41,6 +41,7 @@
 use std::cell::Cell;
 use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -184,6 +185,19 @@ thread_local! {
     static WAL_PAGES: Cell<c_int> = const { Cell::new(0) };
 }
 
+/// How long the WAL is, as the writer last saw it: the frames in it after
+/// its last commit (it starts from 0 when the WAL starts over). Shared with
+/// the thread that checkpoints, which copies frames only once enough have
+/// piled up (see `mod.rs`).
+#[derive(Clone, Debug, Default)]
+pub(super) struct WalLength(Arc<AtomicI32>);
+
+impl WalLength {
+    pub fn frames(&self) -> c_int {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// SQLite calls this after each commit in WAL mode, on the committing
 /// thread.
 fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()> {
@@ -200,8 +214,13 @@ pub(super) struct Writer {
 impl Writer {
     /// Starts the writer. With `wal_limit` (pages; a database file in WAL
     /// mode), the writer checkpoints after a commit that leaves the WAL
-    /// longer.
-    pub fn start(name: &str, connection: Connection, wal_limit: Option<c_int>) -> std::io::Result<Writer> {
+    /// longer, and keeps `wal_length` up to date.
+    pub fn start(
+        name: &str,
+        connection: Connection,
+        wal_limit: Option<c_int>,
+        wal_length: WalLength,
+    ) -> std::io::Result<Writer> {
         let (jobs, queue) = mpsc::channel::<WriteJob>();
         if wal_limit.is_some() {
             connection.wal_hook(Some(note_wal_pages));
@@ -230,6 +249,7 @@ impl Writer {
                     continue;
                 }
                 commit_group(&connection, group.drain());
+                wal_length.0.store(WAL_PAGES.get(), Ordering::Relaxed);
                 if let Some(limit) = wal_limit
                     && WAL_PAGES.get() > limit
                 {
@@ -408,7 +428,7 @@ mod tests {
                 false
             }))
             .expect("hook");
-        (Writer::start("test-writer", connection, None).expect("starts"), commits)
+        (Writer::start("test-writer", connection, None, WalLength::default()).expect("starts"), commits)
     }
 
     fn insert(value: i64) -> impl FnOnce(&Connection) -> StoreResult<usize> + Send + 'static {
