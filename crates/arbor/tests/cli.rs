@@ -16,6 +16,20 @@ fn arbor() -> Command {
     command
 }
 
+/// Whether an HTTP server answers at `listen`. A bare TCP connect is not
+/// enough: to a free port in the ephemeral range, a connect now and then
+/// lands on its own source port and "succeeds" (TCP simultaneous open), and
+/// the SIGTERM then hit a server still starting.
+fn answers_http(listen: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(listen) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut answer = [0u8; 5];
+    stream.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").is_ok()
+        && stream.read_exact(&mut answer).is_ok()
+        && &answer == b"HTTP/"
+}
+
 fn stdout_of(command: &mut Command) -> String {
     let output = command.output().expect("arbor runs");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -78,7 +92,7 @@ fn serve_prints_the_first_admin_key_once_and_stops_on_sigterm() {
         // Wait for readiness.
         let mut ready = false;
         for _ in 0..100 {
-            if std::net::TcpStream::connect(&listen).is_ok() {
+            if answers_http(&listen) {
                 ready = true;
                 break;
             }
