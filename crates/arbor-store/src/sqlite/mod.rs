@@ -336,7 +336,7 @@ fn apply_migrations(connection: &mut Connection, version: i64) -> StoreResult<()
 }
 
 /// How many frames the WAL may hold beyond those already copied before the
-/// background thread copies them (16 MiB), unless writes come fast.
+/// background thread copies them (4 MiB), unless writes come fast.
 ///
 /// Copying everything has a price later: the next commit then starts the
 /// WAL over, and starting over writes a new WAL header and fsyncs it (SQLite
@@ -345,19 +345,21 @@ fn apply_migrations(connection: &mut Connection, version: i64) -> StoreResult<()
 /// at 50 turns/s nearly every other turn waited for that fsync (0.45 fsyncs
 /// per turn on the writer, `bench/threadstat.sh`), and the checkpoints' own
 /// two fsyncs each came once per turn. A turn writes ~33 frames, so at this
-/// threshold the WAL starts over about once per 120 turns.
+/// threshold the WAL starts over about once per 30 turns.
 ///
 /// Under fast writes ([`CHECKPOINT_FAST`]) that changes: a checkpoint then
-/// rarely copies everything (a commit lands while it runs), so the WAL
-/// seldom starts over anyway, and copying thousands of frames at once was
-/// measured to hurt: at 1,000 turns/s p99 rose from ~12 ms to ~25 ms. So
-/// fast writes are copied at every look, a few hundred frames at a time.
-/// The same goes for the stretch before the writer's own limit, past which
-/// the writer copies what is left itself while writes wait.
-const CHECKPOINT_FRAMES: std::ffi::c_int = 4096;
+/// often finds a commit landing while it runs, so the WAL starts over less
+/// often anyway (at 600 turns/s once per 100 turns), and copying thousands
+/// of frames at once was measured to hurt the tail: with 4,096 at a time,
+/// p99 at 1,000 turns/s rose from ~12 to ~25 ms, and at 500/s from ~5 to
+/// ~8 ms. So from ~150 turns/s on, frames are copied at every look, a few
+/// hundred at a time. The same goes for the stretch before the writer's own
+/// limit, past which the writer copies what is left itself while writes
+/// wait.
+const CHECKPOINT_FRAMES: std::ffi::c_int = 1024;
 /// Frames written within [`CHECKPOINT_WINDOW`] from which writes count as
-/// fast (20,000 a second, ~600 turns/s).
-const CHECKPOINT_FAST: std::ffi::c_int = 2000;
+/// fast (5,000 a second, ~150 turns/s).
+const CHECKPOINT_FAST: std::ffi::c_int = 500;
 const CHECKPOINT_WINDOW: Duration = Duration::from_millis(100);
 /// How often the background thread looks at the WAL's length.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(10);
