@@ -24,13 +24,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-source "$ROOT/bench/mock0.sh"
+source "$ROOT/bench/common.sh"
 start_mock0
-taskset -c 0 valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out" \
-  "$BIN/arbor" serve --data-dir "$WORK" --listen 127.0.0.1:8080 --config "$WORK/arbor.toml" \
-  >"$WORK/stdout" 2>"$WORK/stderr" &
-ARBOR_PID=$!
-PIDS+=("$ARBOR_PID")
+start_arbor0 valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out" "$BIN/arbor"
 await_arbor 300 0.5
 
 profile() { # NAME [arbor-bench args...]
@@ -72,10 +68,7 @@ echo "raw callgrind files in $WORK (callgrind_annotate, kcachegrind)"
 PERF_RATE=${PERF_RATE:-1000}
 if command -v perf >/dev/null; then
   rm -f "$WORK/arbor.db"*
-  taskset -c 0 "$BIN/arbor" serve --data-dir "$WORK" --listen 127.0.0.1:8080 --config "$WORK/arbor.toml" \
-    >"$WORK/stdout" 2>"$WORK/stderr" &
-  ARBOR_PID=$!
-  PIDS+=("$ARBOR_PID")
+  start_arbor0 "$BIN/arbor"
   await_arbor 100 0.2
   taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
     --rate "$PERF_RATE" --duration 8 --warmup 2 --runs 1 --scenario perf &

@@ -20,6 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+source "$ROOT/bench/common.sh"
 
 SMOKE=0
 USE_LITELLM=1
@@ -114,39 +115,12 @@ ARBOR_PORT=8080
 ARBOR=http://127.0.0.1:$ARBOR_PORT
 ARBOR_PID=""
 write_config() { # DATABASE_URL FILE
-  cat >"$2" <<EOF
-default_model = "mock-0"
-
-[storage]
-database_url = "$1"
-
-[providers.mock0]
-kind = "openai"
-base_url = "http://127.0.0.1:$MOCK0/v1"
-
-[providers.mock60]
-kind = "openai"
-base_url = "http://127.0.0.1:$MOCK60/v1"
-
-[providers.mockstream]
-kind = "openai"
-base_url = "http://127.0.0.1:$MOCKSTREAM/v1"
-
-[models."mock-0"]
-provider = "mock0"
-context_window = 128000
-prices = { input = 150000, output = 600000 }
-
-[models."mock-60"]
-provider = "mock60"
-context_window = 128000
-prices = { input = 150000, output = 600000 }
-
-[models."mock-stream"]
-provider = "mockstream"
-context_window = 128000
-prices = { input = 150000, output = 600000 }
-EOF
+  {
+    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "%s"\n' "$1"
+    mock_model_toml mock-0 mock0 "$MOCK0"
+    mock_model_toml mock-60 mock60 "$MOCK60"
+    mock_model_toml mock-stream mockstream "$MOCKSTREAM"
+  } >"$2"
 }
 
 start_arbor() { # NAME DATABASE_URL [PRELOAD]

@@ -24,12 +24,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-source "$ROOT/bench/mock0.sh"
+source "$ROOT/bench/common.sh"
 start_mock0
-taskset -c 0 "$ARBOR_BIN" serve --data-dir "$WORK" --listen 127.0.0.1:8080 --config "$WORK/arbor.toml" \
-  >"$WORK/stdout" 2>"$WORK/stderr" &
-ARBOR_PID=$!
-PIDS+=("$ARBOR_PID")
+start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &

@@ -1346,7 +1346,8 @@ mod tests {
         assert!(parse_url("postgres://x").is_err());
     }
 
-    /// Runs `sql` (one row, one column) on every writer and reader thread.
+    /// Runs `sql` (one row, one column) on the writer, every reader thread
+    /// and a point-read connection (all opened alike).
     async fn on_every_connection(store: &SqliteStore, sql: &'static str) -> Vec<i64> {
         let mut values = vec![store.write(move |c| Ok(c.query_row(sql, [], |row| row.get(0))?)).await.unwrap()];
         // Readers are interchangeable; enough calls reach each of them.

@@ -249,7 +249,6 @@ impl Writer {
                     continue;
                 }
                 commit_group(&connection, group.drain());
-                wal_length.0.store(WAL_PAGES.get(), Ordering::Relaxed);
                 if let Some(limit) = wal_limit
                     && WAL_PAGES.get() > limit
                 {
@@ -258,6 +257,10 @@ impl Writer {
                         tracing::warn!(%error, "checkpointing the SQLite write-ahead log failed");
                     }
                 }
+                // After the writer's own checkpoint too: the WAL it leaves
+                // starts over with the next commit, and the background
+                // thread should not take it for one near the limit.
+                wal_length.0.store(WAL_PAGES.get(), Ordering::Relaxed);
             }
         })?;
         Ok(Writer { jobs })

@@ -1,0 +1,53 @@
+# Sourced by the bench scripts (run.sh, profile.sh, threadstat.sh).
+
+# The TOML of one OpenAI provider named PROVIDER on a loopback mock at PORT
+# and the model MODEL it serves, at the prices every bench model has.
+mock_model_toml() { # MODEL PROVIDER PORT
+  cat <<TOML
+
+[providers.$2]
+kind = "openai"
+base_url = "http://127.0.0.1:$3/v1"
+
+[models."$1"]
+provider = "$2"
+context_window = 128000
+prices = { input = 150000, output = 600000 }
+TOML
+}
+
+# The rest is for profile.sh and threadstat.sh, which drive one Arbor on
+# core 0 against one 0 ms mock on core 1. They expect ROOT, BIN, WORK and
+# the PIDS array of the sourcing script.
+
+# Starts the OpenAI mock on core 1 (20 chunks, TCP_NODELAY like a real
+# provider) on port 9100, and writes $WORK/arbor.toml: SQLite in $WORK and
+# the model `mock-0` served by that mock.
+start_mock0() {
+  gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
+  LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 \
+    >"$WORK/mock.log" 2>&1 &
+  PIDS+=($!)
+  {
+    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db"\n' "$WORK"
+    mock_model_toml mock-0 mock0 9100
+  } >"$WORK/arbor.toml"
+}
+
+# Starts `COMMAND... serve` on core 0 with $WORK's data and config, on port
+# 8080 (COMMAND is the arbor binary, possibly behind a wrapper such as
+# valgrind), and sets ARBOR_PID.
+start_arbor0() { # COMMAND...
+  taskset -c 0 "$@" serve --data-dir "$WORK" --listen 127.0.0.1:8080 --config "$WORK/arbor.toml" \
+    >"$WORK/stdout" 2>"$WORK/stderr" &
+  ARBOR_PID=$!
+  PIDS+=("$ARBOR_PID")
+}
+
+# Waits until Arbor answers on port 8080 (TRIES polls PAUSE seconds apart)
+# and exports the admin key it printed to $WORK/stdout as ARBOR_BENCH_KEY.
+await_arbor() { # TRIES PAUSE
+  for _ in $(seq 1 "$1"); do curl -s -o /dev/null -m 2 http://127.0.0.1:8080/healthz && break; sleep "$2"; done
+  ARBOR_BENCH_KEY=$(sed -n 's/^    \(arb_[A-Za-z0-9_-]*\)$/\1/p' "$WORK/stdout" | head -n1)
+  export ARBOR_BENCH_KEY
+}
