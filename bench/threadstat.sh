@@ -8,6 +8,10 @@
 #
 #   bench/threadstat.sh [ARBOR_BIN] [RATE]      # defaults: the release build, 500
 #
+# LIMITED=1 drives the turns as a user with a credit balance (10^12 credits,
+# made with `arbor users add` / `users credits`), whose calls hold credits
+# before they are made; the default is the first admin, who is unlimited.
+#
 # Needs perf (syscall tracepoints) and a release build
 # (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
 set -euo pipefail
@@ -28,6 +32,11 @@ source "$ROOT/bench/common.sh"
 start_mock0
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
+if [[ ${LIMITED:-0} == 1 ]]; then
+  ARBOR_BENCH_KEY=$("$ARBOR_BIN" users add bench-limited --data-dir "$WORK" --config "$WORK/arbor.toml")
+  "$ARBOR_BIN" users credits bench-limited --set 1000000000000 --data-dir "$WORK" --config "$WORK/arbor.toml" 2>/dev/null
+  export ARBOR_BENCH_KEY
+fi
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
 LOAD_PID=$!

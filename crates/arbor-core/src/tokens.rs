@@ -11,7 +11,12 @@ pub fn estimate_from_chars(chars: usize) -> u64 {
 /// Estimated input tokens for a list of messages (plus a small per-message
 /// overhead for the role and framing each provider adds).
 pub fn estimate_messages(messages: &[Message]) -> u64 {
-    messages.iter().map(|message| 4 + estimate_from_chars(message.char_len())).sum()
+    messages.iter().map(estimate_message).sum()
+}
+
+/// Estimated input tokens for one message, framing included.
+pub fn estimate_message(message: &Message) -> u64 {
+    4 + estimate_from_chars(message.char_len())
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use arbor_core::ids::{new_id, now_millis};
 use arbor_core::message::NodeStatus;
 use arbor_core::tree::{MergePlan, Tree, ViewMessage, merge_view};
 use arbor_core::{EventName, Message, Node, Role};
-use arbor_store::{Conversation, StoreError, Turn, TurnStatus, User};
+use arbor_store::{Conversation, ReserveOutcome, StoreError, Turn, TurnStarted, TurnStatus, User};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::hub::{Hub, QueuedTurn, RunningTurn, Slot};
 use crate::models::ResolvedModel;
 use crate::stream::{self, Until};
-use crate::turn::TurnTask;
+use crate::turn::{Hold, TurnTask, reservation_for};
 use crate::{Engine, EngineError, EngineResult, Inner, TurnHandle, validate_message_id, validate_text};
 
 /// What to do when a turn is already running.
@@ -564,11 +564,11 @@ impl Inner {
         queued: QueuedTurn,
     ) -> Result<(), (EngineError, Box<QueuedTurn>)> {
         let prepared = self.prepare_launch(&hub, &conversation, &queued).await;
-        let (turn, nodes, head_version) = match prepared {
+        let (turn, nodes, head_version, hold) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => return Err((error, Box::new(queued))),
         };
-        let QueuedTurn { user, model, cancel, outcome, limited, accepted, .. } = queued;
+        let QueuedTurn { user, model, cancel, outcome, accepted, .. } = queued;
         let turn_id: Arc<str> = Arc::from(turn.id.as_str());
         hub.emit(
             Some(&turn_id),
@@ -583,20 +583,22 @@ impl Inner {
         let conversation = Conversation { head_version, head_id, ..conversation };
         let task =
             TurnTask::new(self.clone(), hub, user, conversation, turn, turn_id, model, cancel, outcome, deadline)
-                .with_reservations(limited)
+                .holding(hold)
                 .accepted_at(accepted);
         self.tracker.spawn(task.run());
         Ok(())
     }
 
     /// Records the turn's messages (durable before any model call) and its
-    /// row as running. Returns the turn, its messages and the head version.
+    /// row as running, holding a limited user's credits for the call in the
+    /// same commit. Returns the turn, its messages, the head version and
+    /// what is held.
     async fn prepare_launch(
         &self,
         hub: &Hub,
         conversation: &Conversation,
         queued: &QueuedTurn,
-    ) -> EngineResult<(Turn, Vec<Node>, i64)> {
+    ) -> EngineResult<(Turn, Vec<Node>, i64, Hold)> {
         let nodes = chain(queued, conversation);
         let mut turn = queued.turn.clone();
         if let Some(last) = nodes.last() {
@@ -619,8 +621,23 @@ impl Inner {
         turn.status = TurnStatus::Running;
         turn.pending_messages.clear();
         turn.started_at = Some(now_millis());
-        let head_version = match self.store.start_turn(&turn, &nodes, queued.waited, now_millis()).await {
-            Ok(version) => version,
+        let reservation = match queued.limited {
+            true => Some(self.first_reservation(hub, conversation, queued, &turn, &nodes).await?),
+            false => None,
+        };
+        let started = self.store.start_turn(&turn, &nodes, queued.waited, now_millis(), reservation.as_ref()).await;
+        let (head_version, hold) = match started {
+            Ok(TurnStarted { head_version, reserved }) => (
+                head_version,
+                match (reserved, reservation) {
+                    (Some(ReserveOutcome::Reserved { .. }), Some(reservation)) => Hold::Held(reservation.id),
+                    (Some(ReserveOutcome::Insufficient { available }), Some(reservation)) => Hold::Refused(format!(
+                        "this reply could cost up to {} credits and {available} are left; ask an administrator for more credits",
+                        reservation.credits
+                    )),
+                    _ => Hold::Unlimited,
+                },
+            ),
             Err(StoreError::Conflict(_)) => {
                 return Err(match self.running_elsewhere(&conversation.id).await {
                     running @ EngineError::TurnRunning { .. } => running,
@@ -636,7 +653,29 @@ impl Inner {
             hub.set_reply_parent(&turn.id, &last.id);
             hub.advance_tree(conversation.head_version, head_version, &nodes);
         }
-        Ok((turn, nodes, head_version))
+        Ok((turn, nodes, head_version, hold))
+    }
+
+    /// The reservation for a limited user's first call of `turn`: its input
+    /// is the path to the message it answers, with the `nodes` it records.
+    async fn first_reservation(
+        &self,
+        hub: &Hub,
+        conversation: &Conversation,
+        queued: &QueuedTurn,
+        turn: &Turn,
+        nodes: &[Node],
+    ) -> EngineResult<arbor_store::Reservation> {
+        let tree = self.tree(hub, &conversation.id, conversation.head_version).await?;
+        // New messages hang under their first one's parent; a regenerated
+        // turn answers a message already in the tree.
+        let anchor = match nodes.first() {
+            Some(first) => first.parent_id.as_deref(),
+            None => Some(turn.user_message_id.as_str()),
+        };
+        let path = anchor.map(|anchor| tree.path_to(anchor)).unwrap_or_default();
+        let messages = path.into_iter().chain(nodes).map(|node| &node.message);
+        Ok(reservation_for(self, &queued.user.id, &queued.model, conversation.system_prompt.as_deref(), messages))
     }
 
     /// The conversation's longest-waiting queued turn, on any node. A turn

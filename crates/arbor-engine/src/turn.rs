@@ -26,6 +26,53 @@ use crate::models::ResolvedModel;
 /// for it stay a sensible amount.
 const MAX_OUTPUT_WHEN_LIMITED: u64 = 4096;
 
+/// Credits held for a turn's call, decided in the commit that starts the
+/// turn (a user with a limited balance).
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Hold {
+    /// The user is unlimited: nothing is held.
+    #[default]
+    Unlimited,
+    /// Held under this reservation id.
+    Held(String),
+    /// The credits left do not cover the call: the turn fails without it,
+    /// with this message.
+    Refused(String),
+}
+
+/// The most a limited user's call may ask the model to write, so the credits
+/// held for it stay a sensible amount.
+pub(crate) fn output_cap(model: &ResolvedModel) -> u64 {
+    model.info.max_output.clamp(1, MAX_OUTPUT_WHEN_LIMITED)
+}
+
+/// The reservation for a limited user's call to `model` with this input: its
+/// output capped by [`output_cap`] and its input over-estimated, so that the
+/// credits held bound what the call can cost.
+pub(crate) fn reservation_for<'a>(
+    inner: &Inner,
+    user_id: &str,
+    model: &ResolvedModel,
+    system: Option<&str>,
+    messages: impl Iterator<Item = &'a Message>,
+) -> arbor_store::Reservation {
+    let system = system.map_or(0, |system| arbor_core::tokens::estimate_from_chars(system.len()));
+    let messages: u64 = messages.map(arbor_core::tokens::estimate_message).sum();
+    // The estimate is doubled: four characters a token undercounts some
+    // scripts, and the reservation must be an upper bound.
+    let input = 2 * (messages + system) + 256;
+    let usage = Usage { input_tokens: input, output_tokens: output_cap(model), ..Usage::default() };
+    let bound = model.info.prices.cost(&usage);
+    let now = now_millis();
+    arbor_store::Reservation {
+        id: new_id(),
+        user_id: user_id.to_string(),
+        credits: bound.credits().max(1),
+        created_at: now,
+        expires_at: now + inner.config.limits.turn_timeout.as_millis() as i64 + 60_000,
+    }
+}
+
 /// How a finished turn ended, for callers that wait (the JSON mode).
 #[derive(Debug, Clone)]
 pub struct TurnOutcome {
@@ -67,8 +114,8 @@ pub(crate) struct TurnTask {
     accepted: Instant,
     /// Time spent inside provider calls.
     upstream: std::time::Duration,
-    /// Reserve credits before each call (the user's spending is limited).
-    reserve: bool,
+    /// Credits held for the call (the user's spending is limited).
+    hold: Hold,
     /// Whether the finished turn is stored (with its last call).
     recorded: bool,
 }
@@ -117,13 +164,13 @@ impl TurnTask {
             retry_after_secs: None,
             accepted: Instant::now(),
             upstream: std::time::Duration::ZERO,
-            reserve: false,
+            hold: Hold::Unlimited,
             recorded: false,
         }
     }
 
-    pub(crate) fn with_reservations(mut self, reserve: bool) -> TurnTask {
-        self.reserve = reserve;
+    pub(crate) fn holding(mut self, hold: Hold) -> TurnTask {
+        self.hold = hold;
         self
     }
 
@@ -161,6 +208,12 @@ impl TurnTask {
         // A turn that made its call was written whole by `finish_turn`; one
         // that ended before (refused, or a store fault) is written here.
         if !self.recorded {
+            // Ended without its call: what was held for it goes back.
+            if let Hold::Held(reservation) = std::mem::take(&mut self.hold)
+                && let Err(error) = self.inner.store.release_reservation(&reservation).await
+            {
+                tracing::error!(turn_id = %self.turn_id, %error, "releasing the turn's credits failed");
+            }
             self.turn.finished_at = Some(now_millis());
             if let Err(error) = self.inner.store.update_turn(&self.turn).await {
                 tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
@@ -278,9 +331,13 @@ impl TurnTask {
             reasoning: None,
         };
         let mut request = request;
-        let reservation = match self.reserve_credits(&mut request).await? {
-            Ok(reservation) => reservation,
-            Err(message) => {
+        let reservation = match std::mem::take(&mut self.hold) {
+            Hold::Unlimited => None,
+            Hold::Held(reservation) => {
+                request.max_output_tokens = Some(u32::try_from(output_cap(&self.model)).unwrap_or(u32::MAX));
+                Some(reservation)
+            }
+            Hold::Refused(message) => {
                 self.turn.status = TurnStatus::Failed;
                 self.turn.error_code = Some("quota_exceeded".into());
                 self.turn.error_message = Some(message);
@@ -413,42 +470,6 @@ impl TurnTask {
             self.hub.emit(Some(&self.turn_id), EventName::TraceEnd, &json!({"id": trace_id, "type": "error"}));
         }
         Ok(reply)
-    }
-
-    /// For a user with a limited balance: caps the call's output and holds
-    /// the most it could cost, so that concurrent turns (on any node) can
-    /// never spend past the balance. `Err(message)` when the credits left do
-    /// not cover it; `Ok(None)` when the user is unlimited.
-    async fn reserve_credits(
-        &self,
-        request: &mut ChatRequest,
-    ) -> Result<Result<Option<String>, String>, arbor_store::StoreError> {
-        if !self.reserve {
-            return Ok(Ok(None));
-        }
-        let cap = self.model.info.max_output.clamp(1, MAX_OUTPUT_WHEN_LIMITED);
-        request.max_output_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
-        let system =
-            request.system.as_deref().map_or(0, |system| arbor_core::tokens::estimate_from_chars(system.len()));
-        // The estimate is doubled: four characters a token undercounts some
-        // scripts, and the reservation must be an upper bound.
-        let input = 2 * (arbor_core::tokens::estimate_messages(&request.messages) + system) + 256;
-        let bound = self.model.info.prices.cost(&Usage { input_tokens: input, output_tokens: cap, ..Usage::default() });
-        let now = now_millis();
-        let reservation = arbor_store::Reservation {
-            id: new_id(),
-            user_id: self.user.id.clone(),
-            credits: bound.credits().max(1),
-            created_at: now,
-            expires_at: now + self.inner.config.limits.turn_timeout.as_millis() as i64 + 60_000,
-        };
-        match self.inner.store.reserve_credits(&reservation).await? {
-            arbor_store::ReserveOutcome::Reserved { .. } => Ok(Ok(Some(reservation.id))),
-            arbor_store::ReserveOutcome::Insufficient { available } => Ok(Err(format!(
-                "this reply could cost up to {} credits and {available} are left; ask an administrator for more credits",
-                reservation.credits
-            ))),
-        }
     }
 
     /// Streams one model call, forwarding chunks as events as they come.

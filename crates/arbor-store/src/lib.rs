@@ -140,8 +140,19 @@ pub trait Store: Send + Sync + 'static {
     /// updated when `queued_row` says its queued row may exist) and records
     /// the messages it answers, moving the head to the last. Nothing is
     /// written when either fails: `Conflict` for a second running turn or a
-    /// message id already in the conversation. Returns the head version.
-    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64>;
+    /// message id already in the conversation. With `reservation`, the same
+    /// transaction holds credits for the turn's first call as
+    /// [`Store::reserve_credits`] does; credits that do not cover it are
+    /// reported in [`TurnStarted::reserved`] and the turn and its messages
+    /// are written all the same (the user's message is never lost).
+    async fn start_turn(
+        &self,
+        turn: &Turn,
+        nodes: &[Node],
+        queued_row: bool,
+        updated_at: Millis,
+        reservation: Option<&Reservation>,
+    ) -> StoreResult<TurnStarted>;
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>>;
     /// Turns in one of `statuses`, across all conversations (crash recovery).
     async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>>;

@@ -340,6 +340,44 @@ async fn charge_call(
     Ok(entry)
 }
 
+/// Holds a reservation's credits, inside the caller's transaction.
+async fn reserve(tx: &mut Transaction<'static, Postgres>, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
+    // The check and the hold are one statement. Under READ COMMITTED a
+    // concurrent reservation waits for this row lock and then re-checks
+    // the condition against the new total, so the sum held can never
+    // pass the balance, whichever node asks.
+    let held: Option<Option<i64>> = sqlx::query_scalar(
+        "UPDATE users SET reserved_credits = reserved_credits + $1 \
+         WHERE id = $2 AND (balance_credits IS NULL OR balance_credits - reserved_credits >= $1) \
+         RETURNING balance_credits - reserved_credits",
+    )
+    .bind(reservation.credits)
+    .bind(&reservation.user_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(available_after) = held else {
+        let available: Option<Option<i64>> =
+            sqlx::query_scalar("SELECT balance_credits - reserved_credits FROM users WHERE id = $1")
+                .bind(&reservation.user_id)
+                .fetch_optional(&mut **tx)
+                .await?;
+        let available = available.ok_or(StoreError::NotFound)?;
+        return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
+    };
+    sqlx::query(
+        "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&reservation.id)
+    .bind(&reservation.user_id)
+    .bind(reservation.credits)
+    .bind(reservation.created_at)
+    .bind(reservation.expires_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(ReserveOutcome::Reserved { available_after })
+}
+
 /// Gives a reservation's credits back, inside the caller's transaction.
 /// Returns whether the reservation still existed.
 async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) -> StoreResult<bool> {
@@ -750,7 +788,14 @@ impl Store for PostgresStore {
         update_turn_on(&self.pool, turn).await
     }
 
-    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64> {
+    async fn start_turn(
+        &self,
+        turn: &Turn,
+        nodes: &[Node],
+        queued_row: bool,
+        updated_at: Millis,
+        reservation: Option<&Reservation>,
+    ) -> StoreResult<TurnStarted> {
         let mut tx = self.begin().await?;
         let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
         match updated {
@@ -778,8 +823,15 @@ impl Store for PostgresStore {
             .await?;
             version.ok_or(StoreError::NotFound)?
         };
+        // Last, after the statements that can conflict with a finishing
+        // turn, so that no transaction waits for another while holding the
+        // user's row.
+        let reserved = match reservation {
+            Some(reservation) => Some(reserve(&mut tx, reservation).await?),
+            None => None,
+        };
         tx.commit().await?;
-        Ok(version)
+        Ok(TurnStarted { head_version: version, reserved })
     }
 
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>> {
@@ -958,41 +1010,11 @@ impl Store for PostgresStore {
 
     async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
         let mut tx = self.begin().await?;
-        // The check and the hold are one statement. Under READ COMMITTED a
-        // concurrent reservation waits for this row lock and then re-checks
-        // the condition against the new total, so the sum held can never
-        // pass the balance, whichever node asks.
-        let held: Option<Option<i64>> = sqlx::query_scalar(
-            "UPDATE users SET reserved_credits = reserved_credits + $1 \
-             WHERE id = $2 AND (balance_credits IS NULL OR balance_credits - reserved_credits >= $1) \
-             RETURNING balance_credits - reserved_credits",
-        )
-        .bind(reservation.credits)
-        .bind(&reservation.user_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(available_after) = held else {
-            let available: Option<Option<i64>> =
-                sqlx::query_scalar("SELECT balance_credits - reserved_credits FROM users WHERE id = $1")
-                    .bind(&reservation.user_id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            let available = available.ok_or(StoreError::NotFound)?;
-            return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
-        };
-        sqlx::query(
-            "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(&reservation.id)
-        .bind(&reservation.user_id)
-        .bind(reservation.credits)
-        .bind(reservation.created_at)
-        .bind(reservation.expires_at)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(ReserveOutcome::Reserved { available_after })
+        let outcome = reserve(&mut tx, reservation).await?;
+        if matches!(outcome, ReserveOutcome::Reserved { .. }) {
+            tx.commit().await?;
+        }
+        Ok(outcome)
     }
 
     async fn settle_reservation(

@@ -183,6 +183,16 @@ pub enum ReserveOutcome {
     Insufficient { available: i64 },
 }
 
+/// What [`crate::Store::start_turn`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnStarted {
+    /// The conversation's head version after the turn's messages.
+    pub head_version: i64,
+    /// The outcome of the reservation made with the start, when one was
+    /// asked for.
+    pub reserved: Option<ReserveOutcome>,
+}
+
 /// A wake-up passed between the nodes sharing a database (PostgreSQL
 /// `LISTEN`/`NOTIFY`; within the process for SQLite). Notices carry no data
 /// a listener must not lose: the store stays the source of truth, and a

@@ -198,6 +198,7 @@ stories!(
     story_queued_turns_keep_their_messages,
     story_finish_turn_writes_everything_at_once,
     story_start_turn_is_all_or_nothing,
+    story_start_turn_reserves_credits,
 );
 
 // --------------------------------------------------------------- fixtures
@@ -1194,15 +1195,19 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     alice_with_conversation(store.as_ref(), None).await;
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
     let first = turn("c1", "t1", TurnStatus::Running, 30);
-    let version =
-        store.start_turn(&first, &[node("c1", "u1", None, Message::user("hi"))], false, 40).await.expect("started");
-    assert_eq!(version, before + 1);
+    let started = store
+        .start_turn(&first, &[node("c1", "u1", None, Message::user("hi"))], false, 40, None)
+        .await
+        .expect("started");
+    assert_eq!(started, TurnStarted { head_version: before + 1, reserved: None });
+    let version = started.head_version;
     assert_eq!(store.turn("c1", "t1").await.expect("read").expect("t1").status, TurnStatus::Running);
     assert!(store.message("c1", "u1").await.expect("read").is_some());
 
     // A second running turn: refused, and its message is not written.
     let second = turn("c1", "t2", TurnStatus::Running, 50);
-    let refused = store.start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no"))], false, 60).await;
+    let refused =
+        store.start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no"))], false, 60, None).await;
     assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
     assert!(store.message("c1", "u2").await.expect("read").is_none());
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
@@ -1211,7 +1216,7 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let mut done = first.clone();
     done.status = TurnStatus::Succeeded;
     store.update_turn(&done).await.expect("finished");
-    let reused = store.start_turn(&second, &[node("c1", "u1", None, Message::user("again"))], false, 70).await;
+    let reused = store.start_turn(&second, &[node("c1", "u1", None, Message::user("again"))], false, 70, None).await;
     assert!(matches!(reused, Err(StoreError::Conflict(_))), "{reused:?}");
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
 
@@ -1219,7 +1224,66 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let mut queued = turn("c1", "t3", TurnStatus::Queued, 80);
     store.insert_turn(&queued).await.expect("queued");
     queued.status = TurnStatus::Running;
-    let same = store.start_turn(&queued, &[], true, 90).await.expect("started from the queue");
-    assert_eq!(same, version);
+    let same = store.start_turn(&queued, &[], true, 90, None).await.expect("started from the queue");
+    assert_eq!(same.head_version, version);
     assert_eq!(store.turn("c1", "t3").await.expect("read").expect("t3").status, TurnStatus::Running);
+}
+
+/// A limited user's turn holds its first call's credits in the commit that
+/// starts it; credits that do not cover the call still record the turn and
+/// the user's message, and hold nothing.
+async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
+    alice_with_conversation(store.as_ref(), Some(1_000)).await;
+    let first = turn("c1", "t1", TurnStatus::Running, 30);
+    let started = store
+        .start_turn(
+            &first,
+            &[node("c1", "u1", None, Message::user("hi"))],
+            false,
+            40,
+            Some(&reservation("r1", "alice", 600, 10_000)),
+        )
+        .await
+        .expect("started");
+    assert_eq!(started.reserved, Some(ReserveOutcome::Reserved { available_after: Some(400) }));
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(400));
+    assert_eq!(balance(&*store, "alice").await, Some(1_000), "a hold is not a charge");
+
+    // Finishing gives the hold back and charges the real cost.
+    let mut done = first.clone();
+    done.status = TurnStatus::Succeeded;
+    store.finish_turn(&done, &call("call1", "alice", "c1", "t1", 100), None, Some("r1"), 50).await.expect("finish");
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(900));
+
+    // Not enough left: the turn and its message are written, nothing held.
+    let second = turn("c1", "t2", TurnStatus::Running, 60);
+    let started = store
+        .start_turn(
+            &second,
+            &[node("c1", "u2", Some("u1"), Message::user("more"))],
+            false,
+            70,
+            Some(&reservation("r2", "alice", 901, 10_000)),
+        )
+        .await
+        .expect("started");
+    assert_eq!(started.reserved, Some(ReserveOutcome::Insufficient { available: 900 }));
+    assert!(store.message("c1", "u2").await.expect("read").is_some());
+    assert_eq!(store.turn("c1", "t2").await.expect("read").expect("t2").status, TurnStatus::Running);
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(900));
+    assert!(!store.release_reservation("r2").await.expect("release"), "nothing was held");
+
+    // A start refused by a conflict holds nothing either.
+    let third = turn("c1", "t3", TurnStatus::Running, 80);
+    let refused = store
+        .start_turn(
+            &third,
+            &[node("c1", "u3", Some("u2"), Message::user("no"))],
+            false,
+            90,
+            Some(&reservation("r3", "alice", 10, 10_000)),
+        )
+        .await;
+    assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
+    assert_eq!(store.available_credits("alice").await.expect("available"), Some(900));
 }

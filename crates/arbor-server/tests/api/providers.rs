@@ -289,3 +289,37 @@ async fn the_model_sees_messages_written_by_another_node_between_turns() {
         .collect();
     assert_eq!(contents, ["first question", "mock reply", "written elsewhere", "second question"]);
 }
+
+#[tokio::test]
+async fn a_limited_users_turn_refused_before_its_call_holds_no_credits() {
+    let (app, mocks) = app_with_mocks().await;
+    let key = app.new_user("limited").await;
+    let user = app.user(&key).await;
+    app.engine.store().set_balance(&user.id, Some(1_000_000)).await.expect("balance set");
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let path = format!("/v1/conversations/{conversation}/messages");
+    mocks.anthropic.push(Reply::text_deltas(["a cat"]));
+    let first = app
+        .post(
+            &key,
+            &path,
+            &json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "what is this?", "parts": [{"type": "image", "url": "https://example.invalid/cat.png"}]}]}),
+        )
+        .await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let balance = app.engine.store().user(&user.id).await.expect("read").expect("user").balance_credits;
+
+    // The history now holds an image, which mock-gpt cannot read: the turn
+    // fails before its call, after its start held credits for that call.
+    let second = app.post(&key, &path, &json!({"model": "mock-gpt", "content": "and now?"})).await;
+    assert_ne!(second.status, 200, "{:?}", second.body);
+    assert!(second.body.to_string().contains("vision"), "{:?}", second.body);
+    assert_eq!(mocks.openai.call_count(), 0);
+    assert_eq!(
+        app.engine.store().available_credits(&user.id).await.expect("read"),
+        balance,
+        "what was held for the call that was not made is given back"
+    );
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await.body;
+    assert!(tree.to_string().contains("and now?"), "the user's message is kept: {tree}");
+}

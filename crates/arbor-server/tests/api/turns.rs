@@ -315,9 +315,13 @@ async fn concurrent_turns_never_spend_past_a_users_credits() {
     let responses = futures_util::future::join_all(posts).await;
     let succeeded = responses.iter().filter(|response| response.status == 200).count();
     assert!(succeeded >= 1, "at least one turn fits");
-    for response in responses.iter().filter(|response| response.status != 200) {
+    for (conversation, response) in conversations.iter().zip(&responses).filter(|(_, response)| response.status != 200)
+    {
         assert_eq!(response.status, 402, "{:?}", response.body);
         assert_eq!(response.body["error"]["code"], "quota_exceeded");
+        // Refused by the hold its start tried to make: the message is kept.
+        let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await.body;
+        assert!(tree["messages"].to_string().contains("spend"), "{tree}");
     }
     let after = app.engine.store().user(&user.id).await.expect("read").expect("user");
     let balance = after.balance_credits.expect("still limited");

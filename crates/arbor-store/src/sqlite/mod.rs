@@ -585,6 +585,37 @@ fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) 
     Ok(entry)
 }
 
+/// Holds a reservation's credits, inside the caller's transaction.
+fn reserve(connection: &Connection, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
+    // The check and the hold are one statement, so no other
+    // reservation or charge can slip between them.
+    let held: Option<Option<i64>> = connection
+        .prepare_cached(
+            "UPDATE users SET reserved_credits = reserved_credits + ? \
+             WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?) \
+             RETURNING balance_credits - reserved_credits",
+        )?
+        .query_row(params![reservation.credits, reservation.user_id, reservation.credits], |row| row.get(0))
+        .optional()?;
+    let Some(available_after) = held else {
+        let available = available_credits(connection, &reservation.user_id)?;
+        return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
+    };
+    connection
+        .prepare_cached(
+            "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, ?)",
+        )?
+        .execute(params![
+            reservation.id,
+            reservation.user_id,
+            reservation.credits,
+            reservation.created_at,
+            reservation.expires_at,
+        ])?;
+    Ok(ReserveOutcome::Reserved { available_after })
+}
+
 /// Gives a reservation's credits back, inside the caller's transaction.
 /// Returns whether the reservation still existed.
 fn release(connection: &Connection, reservation_id: &str) -> StoreResult<bool> {
@@ -992,8 +1023,15 @@ impl Store for SqliteStore {
         self.write(move |connection| update_turn(connection, &turn)).await
     }
 
-    async fn start_turn(&self, turn: &Turn, nodes: &[Node], queued_row: bool, updated_at: Millis) -> StoreResult<i64> {
-        let (turn, nodes) = (turn.clone(), nodes.to_vec());
+    async fn start_turn(
+        &self,
+        turn: &Turn,
+        nodes: &[Node],
+        queued_row: bool,
+        updated_at: Millis,
+        reservation: Option<&Reservation>,
+    ) -> StoreResult<TurnStarted> {
+        let (turn, nodes, reservation) = (turn.clone(), nodes.to_vec(), reservation.cloned());
         self.write(move |connection| {
             let updated = if queued_row { update_turn(connection, &turn) } else { Err(StoreError::NotFound) };
             match updated {
@@ -1001,14 +1039,17 @@ impl Store for SqliteStore {
                 Err(StoreError::NotFound) => insert_turn(connection, &turn)?,
                 Err(error) => return Err(error),
             }
-            if nodes.is_empty() {
-                return head_version(connection, &turn.conversation_id);
-            }
-            let (conversation_id, last_id) = codec::batch_target(&nodes)?;
-            for node in &nodes {
-                insert_node(connection, NODE_INSERT, node)?;
-            }
-            advance_head(connection, conversation_id, Some(last_id), updated_at)
+            let head_version = if nodes.is_empty() {
+                head_version(connection, &turn.conversation_id)?
+            } else {
+                let (conversation_id, last_id) = codec::batch_target(&nodes)?;
+                for node in &nodes {
+                    insert_node(connection, NODE_INSERT, node)?;
+                }
+                advance_head(connection, conversation_id, Some(last_id), updated_at)?
+            };
+            let reserved = reservation.map(|reservation| reserve(connection, &reservation)).transpose()?;
+            Ok(TurnStarted { head_version, reserved })
         })
         .await
     }
@@ -1186,36 +1227,7 @@ impl Store for SqliteStore {
 
     async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
         let reservation = reservation.clone();
-        self.write(move |connection| {
-            // The check and the hold are one statement, so no other
-            // reservation or charge can slip between them.
-            let held: Option<Option<i64>> = connection
-                .prepare_cached(
-                    "UPDATE users SET reserved_credits = reserved_credits + ? \
-                     WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?) \
-                     RETURNING balance_credits - reserved_credits",
-                )?
-                .query_row(params![reservation.credits, reservation.user_id, reservation.credits], |row| row.get(0))
-                .optional()?;
-            let Some(available_after) = held else {
-                let available = available_credits(connection, &reservation.user_id)?;
-                return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
-            };
-            connection
-                .prepare_cached(
-                    "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
-                     VALUES (?, ?, ?, ?, ?)",
-                )?
-                .execute(params![
-                    reservation.id,
-                    reservation.user_id,
-                    reservation.credits,
-                    reservation.created_at,
-                    reservation.expires_at,
-                ])?;
-            Ok(ReserveOutcome::Reserved { available_after })
-        })
-        .await
+        self.write(move |connection| reserve(connection, &reservation)).await
     }
 
     async fn settle_reservation(
