@@ -22,14 +22,16 @@ TOML
 
 # Starts the OpenAI mock on core 1 (20 chunks, TCP_NODELAY like a real
 # provider) on port 9100, and writes $WORK/arbor.toml: SQLite in $WORK and
-# the model `mock-0` served by that mock.
+# the model `mock-0` served by that mock. SQLITE_SYNC=full makes every
+# commit fsync (see the store's `Durability`).
 start_mock0() {
   gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
   LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 \
     >"$WORK/mock.log" 2>&1 &
   PIDS+=($!)
   {
-    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db"\n' "$WORK"
+    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db%s"\n' "$WORK" \
+      "${SQLITE_SYNC:+?synchronous=$SQLITE_SYNC}"
     mock_model_toml mock-0 mock0 9100
   } >"$WORK/arbor.toml"
 }

@@ -41,7 +41,7 @@ taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:
   --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
 LOAD_PID=$!
 sleep 5
-perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_enter_fsync,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
+perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
   -o "$WORK/perf.txt" -- sleep 5
 wait "$LOAD_PID"
 python3 - "$WORK/perf.txt" "$((RATE * 5))" <<'PY'
@@ -60,6 +60,7 @@ print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
       f"writer pwrite {total[(writer, 'syscalls:sys_enter_pwrite64')] / turns:.1f}, "
       f"fcntl {total[(writer, 'syscalls:sys_enter_fcntl')] / turns:.1f}, "
       f"fsync {total[(writer, 'syscalls:sys_enter_fsync')] / turns:.2f} "
+      f"fdatasync {total[(writer, 'syscalls:sys_enter_fdatasync')] / turns:.2f} "
       f"(checkpointer {total[('arbor-sqlite-ch', 'syscalls:sys_enter_fsync')] / turns:.2f}); context switches "
       f"{sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
 PY

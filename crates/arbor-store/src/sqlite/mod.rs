@@ -90,10 +90,27 @@ impl From<rusqlite::Error> for StoreError {
 /// Where a `sqlite:` URL points.
 #[derive(Debug, PartialEq, Eq)]
 enum Location {
-    File(PathBuf),
+    File(PathBuf, Durability),
     /// `sqlite::memory:`: a private database that lives as long as the store
     /// (tests and throwaway runs).
     Memory,
+}
+
+/// When a commit reaches the disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Durability {
+    /// `?synchronous=normal`: a commit is in the WAL (the operating
+    /// system's cache) when it returns, and the WAL is fsynced at each
+    /// checkpoint. A crash of Arbor loses nothing; a power loss or a kernel
+    /// crash can lose the commits since the last checkpoint (never corrupt
+    /// the file).
+    Normal,
+    /// The default (`?synchronous=full`): a commit that holds a write
+    /// someone waits on (a user's message, a finished turn, a charge)
+    /// fsyncs the WAL before it is answered, so it survives a power loss
+    /// too. Commits of events alone skip the fsync (see [`worker`]).
+    #[default]
+    Full,
 }
 
 fn parse_url(url: &str) -> StoreResult<Location> {
@@ -101,12 +118,26 @@ fn parse_url(url: &str) -> StoreResult<Location> {
         .strip_prefix("sqlite://")
         .or_else(|| url.strip_prefix("sqlite:"))
         .ok_or_else(|| StoreError::Database(format!("{url:?} is not a sqlite:// url")))?;
-    // Connection parameters (`?mode=…`) are Arbor's to choose, not the URL's.
-    let path = rest.split('?').next().unwrap_or_default();
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    // Other connection parameters (`?mode=…`) are Arbor's to choose.
+    let mut durability = Durability::default();
+    for (key, value) in query.split('&').filter_map(|pair| pair.split_once('=')) {
+        if key == "synchronous" {
+            durability = match value.to_ascii_lowercase().as_str() {
+                "normal" => Durability::Normal,
+                "full" => Durability::Full,
+                _ => {
+                    return Err(StoreError::Database(format!(
+                        "synchronous={value:?} in {url:?}: use synchronous=normal or synchronous=full"
+                    )));
+                }
+            };
+        }
+    }
     match path {
         "" => Err(StoreError::Database(format!("{url:?} names no file: use sqlite://PATH"))),
         ":memory:" => Ok(Location::Memory),
-        path => Ok(Location::File(PathBuf::from(path))),
+        path => Ok(Location::File(PathBuf::from(path), durability)),
     }
 }
 
@@ -145,7 +176,7 @@ impl SqliteStore {
                 })
                 .await?;
                 Ok(SqliteStore {
-                    writer: Writer::start("arbor-sqlite", connection, None, WalLength::default())
+                    writer: Writer::start("arbor-sqlite", connection, None, WalLength::default(), false)
                         .map_err(thread_error)?,
                     reader: None,
                     point: None,
@@ -153,11 +184,11 @@ impl SqliteStore {
                     _alive: Arc::new(()),
                 })
             }
-            Location::File(path) => Self::open_file(path, WAL_RESTART_PAGES).await,
+            Location::File(path, durability) => Self::open_file(path, durability, WAL_RESTART_PAGES).await,
         }
     }
 
-    async fn open_file(path: PathBuf, wal_limit: std::ffi::c_int) -> StoreResult<SqliteStore> {
+    async fn open_file(path: PathBuf, durability: Durability, wal_limit: std::ffi::c_int) -> StoreResult<SqliteStore> {
         if let Some(parent) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
             tokio::fs::create_dir_all(parent)
                 .await
@@ -191,7 +222,14 @@ impl SqliteStore {
             .spawn(move || checkpoint_wal(&checkpointer, &watched, &watched_length, wal_limit))
             .map_err(thread_error)?;
         Ok(SqliteStore {
-            writer: Writer::start("arbor-sqlite-writer", writer, Some(wal_limit), wal_length).map_err(thread_error)?,
+            writer: Writer::start(
+                "arbor-sqlite-writer",
+                writer,
+                Some(wal_limit),
+                wal_length,
+                durability == Durability::Full,
+            )
+            .map_err(thread_error)?,
             reader: Some(Readers::start("arbor-sqlite-reader", reader_connections).map_err(thread_error)?),
             point: Some(Arc::new(PointReaders::new(point_connections))),
             notices: broadcast::channel(NOTICE_BUFFER).0,
@@ -265,8 +303,10 @@ fn open_connection(path: &Path) -> StoreResult<Connection> {
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(StoreError::Database(format!("{} cannot use WAL (journal mode {mode})", path.display())));
     }
-    // NORMAL is durable across application crashes in WAL mode; only a
-    // power loss can drop the last commits, never corrupt the file.
+    // NORMAL: a connection's commits survive a crash of the application in
+    // WAL mode; only a power loss can drop the last ones, never corrupt the
+    // file. The writer raises it to FULL for the commits that must survive
+    // that too (see `Durability`).
     connection.pragma_update(None, "synchronous", "normal")?;
     Ok(connection)
 }
@@ -1351,8 +1391,13 @@ mod tests {
 
     #[test]
     fn urls_name_a_file_or_memory() {
-        assert_eq!(parse_url("sqlite://./data/arbor.db").ok(), Some(Location::File(PathBuf::from("./data/arbor.db"))));
-        assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc").ok(), Some(Location::File(PathBuf::from("/tmp/a.db"))));
+        let file = |path: &str, durability| Some(Location::File(PathBuf::from(path), durability));
+        assert_eq!(parse_url("sqlite://./data/arbor.db").ok(), file("./data/arbor.db", Durability::Full));
+        assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc").ok(), file("/tmp/a.db", Durability::Full));
+        assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc&synchronous=FULL").ok(), file("/tmp/a.db", Durability::Full));
+        assert_eq!(parse_url("sqlite:///tmp/a.db?synchronous=normal").ok(), file("/tmp/a.db", Durability::Normal));
+        let bad = parse_url("sqlite:///tmp/a.db?synchronous=off").expect_err("refused");
+        assert!(bad.to_string().contains("synchronous=normal or synchronous=full"), "{bad}");
         assert_eq!(parse_url("sqlite::memory:").ok(), Some(Location::Memory));
         assert!(parse_url("sqlite://").is_err());
         assert!(parse_url("postgres://x").is_err());
@@ -1409,8 +1454,23 @@ mod tests {
             .expect("journal mode");
         assert_eq!(modes, "wal");
         assert!(on_every_connection(&store, "PRAGMA foreign_keys").await.iter().all(|&on| on == 1));
-        // NORMAL is 1.
-        assert!(on_every_connection(&store, "PRAGMA synchronous").await.iter().all(|&level| level == 1));
+        // A waited-on write commits with FULL (2); readers stay NORMAL (1).
+        let levels = on_every_connection(&store, "PRAGMA synchronous").await;
+        assert_eq!(levels[0], 2);
+        assert!(levels[1..].iter().all(|&level| level == 1), "{levels:?}");
+        // Deferred writes alone (events) commit without the fsync.
+        let deferred =
+            store.writer.write_deferred(|c| Ok(c.query_row("PRAGMA synchronous", [], |row| row.get::<_, i64>(0))?));
+        assert_eq!(deferred.await.expect("deferred"), 1);
+    }
+
+    #[tokio::test]
+    async fn synchronous_normal_leaves_every_commit_to_the_checkpoints() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}?synchronous=normal", folder.path().join("a.db").display());
+        let store = SqliteStore::open(&url).await.expect("opens");
+        let levels = on_every_connection(&store, "PRAGMA synchronous").await;
+        assert!(levels.iter().all(|&level| level == 1), "{levels:?}");
     }
 
     #[test]
@@ -1581,7 +1641,7 @@ mod tests {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("a.db");
         // A limit of 64 pages (256 KiB), so a test can pass it many times.
-        let store = SqliteStore::open_file(path.clone(), 64).await.expect("opens");
+        let store = SqliteStore::open_file(path.clone(), Durability::Normal, 64).await.expect("opens");
         store.create_user(&owner()).await.expect("user");
         let content = "x".repeat(8 * 1024);
         // 3,000 writes of 8 KiB: 24 MiB through the WAL.

@@ -27,6 +27,14 @@
 //! commit instead of one of their own: at 500 turns/s the writer's commits
 //! per turn fell from about 4 to under 2 (bench/REPORT.md).
 //!
+//! A write someone waits on is durable when answered: with `sync_full` the
+//! group that holds one commits with `synchronous = FULL` (the WAL is
+//! fsynced before the commit returns). A group of deferred writes alone
+//! commits without the fsync; the WAL is written in order, so the next
+//! waited-on commit's fsync (or the next checkpoint's) makes it durable
+//! too. Events are what is lost to a power loss then, and only those since
+//! the last durable commit.
+//!
 //! The writer also keeps the WAL from growing without end. A background
 //! thread copies committed pages into the database file (see `mod.rs`), but
 //! SQLite starts the WAL over only when a write transaction begins while
@@ -214,12 +222,14 @@ pub(super) struct Writer {
 impl Writer {
     /// Starts the writer. With `wal_limit` (pages; a database file in WAL
     /// mode), the writer checkpoints after a commit that leaves the WAL
-    /// longer, and keeps `wal_length` up to date.
+    /// longer, and keeps `wal_length` up to date. With `sync_full`, commits
+    /// that hold a waited-on write fsync (see the module's documentation).
     pub fn start(
         name: &str,
         connection: Connection,
         wal_limit: Option<c_int>,
         wal_length: WalLength,
+        sync_full: bool,
     ) -> std::io::Result<Writer> {
         let (jobs, queue) = mpsc::channel::<WriteJob>();
         if wal_limit.is_some() {
@@ -228,6 +238,7 @@ impl Writer {
         std::thread::Builder::new().name(name.to_string()).spawn(move || {
             let mut group = Group::default();
             let mut open = true;
+            let mut synced = false;
             while open || !group.bodies.is_empty() {
                 while group.bodies.len() < MAX_GROUP
                     && let Ok(job) = queue.try_recv()
@@ -247,6 +258,14 @@ impl Writer {
                         Err(mpsc::RecvTimeoutError::Disconnected) => open = false,
                     }
                     continue;
+                }
+                let sync = sync_full && group.waited_on;
+                if sync != synced {
+                    let level = if sync { "full" } else { "normal" };
+                    match connection.pragma_update(None, "synchronous", level) {
+                        Ok(()) => synced = sync,
+                        Err(error) => tracing::error!(%error, "setting SQLite's synchronous level failed"),
+                    }
                 }
                 commit_group(&connection, group.drain());
                 if let Some(limit) = wal_limit
@@ -431,7 +450,7 @@ mod tests {
                 false
             }))
             .expect("hook");
-        (Writer::start("test-writer", connection, None, WalLength::default()).expect("starts"), commits)
+        (Writer::start("test-writer", connection, None, WalLength::default(), false).expect("starts"), commits)
     }
 
     fn insert(value: i64) -> impl FnOnce(&Connection) -> StoreResult<usize> + Send + 'static {
