@@ -169,7 +169,11 @@ w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.g
   "request's scheduled send time (open loop). **Overhead = Arbor's percentile minus the "
   "direct-to-mock percentile at the same rate**; *Arbor's own* is the `x-arbor-overhead-us` header "
   "(JSON turns) or the `arbor_turn_overhead_seconds` histogram (streamed turns), both Arbor's "
-  "measure of a turn's time outside the provider call.")
+  "measure of a turn's time outside the provider call. SQLite commits with "
+  + ("`synchronous = FULL` for every write someone waits on (each such commit fsyncs: the default)"
+     if machine.get("sqlite_sync", "normal") == "full" else
+     f"`?synchronous={machine['sqlite_sync']}` (no fsync per commit; a power loss can lose the last commits)")
+  + ".")
 if machine.get("smoke"):
     w("")
     w("**Smoke run** (dev build, tiny rates): these numbers say nothing about performance.")

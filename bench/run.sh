@@ -228,6 +228,10 @@ EOF
   tail -n 1 "$RESULTS/parity.jsonl"
 }
 
+# SQLITE_SYNC=normal measures SQLite without the fsync per durable commit
+# (the default is full; see ARCHITECTURE.md).
+SQLITE_URL="sqlite://$WORK/arbor-sqlite/arbor.db${SQLITE_SYNC:+?synchronous=$SQLITE_SYNC}"
+
 # --- the machine -------------------------------------------------------------
 python3 - >"$RESULTS/machine.json" <<EOF
 import json, os, platform, subprocess
@@ -244,6 +248,7 @@ print(json.dumps({
                       ":!bench/results", ":!bench/REPORT.md")),
     "date": cmd("date", "-u", "+%Y-%m-%d %H:%M UTC"), "arbor_core": $ARBOR_CORE, "load_core": $LOAD_CORE,
     "chunks": $CHUNKS, "chunk_delay_ms": $CHUNK_DELAY_MS, "smoke": $SMOKE == 1,
+    "sqlite_sync": "${SQLITE_SYNC:-full}",
     "loadavg_start": open("/proc/loadavg").read().split()[:3],
     # An A/B run measures another build than the harness's own.
     "arbor_bin": "$ARBOR_BIN" if "$ARBOR_BIN" != "$BIN/arbor" else None,
@@ -251,7 +256,7 @@ print(json.dumps({
 EOF
 
 # --- SQLite: S0-S3, S4 (sqlite half), S5 -------------------------------------
-start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
+start_arbor sqlite "$SQLITE_URL"
 
 if [[ $SMOKE == 1 ]]; then
   S1_RATES="20"; S2_RATES="20"; S3_RATES="20"; S6_RATES=""
@@ -278,7 +283,7 @@ if wants S2; then
   # A fresh process (same database), so S2's peak RSS is its own and not
   # what S1's conversations left in memory.
   stop_arbor
-  start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
+  start_arbor sqlite "$SQLITE_URL"
   for rate in $S2_RATES; do
     DIRECT_PORT=$MOCK60 load S0-60ms direct direct "$rate"
     MODEL=mock-60 load S2 sqlite arbor "$rate"
@@ -292,7 +297,7 @@ fi
 
 if wants S3; then
   stop_arbor
-  start_arbor sqlite "sqlite://$WORK/arbor-sqlite/arbor.db"
+  start_arbor sqlite "$SQLITE_URL"
   for rate in $S3_RATES; do
     DIRECT_PORT=$MOCKSTREAM load S0-stream direct direct "$rate" --stream
     MODEL=mock-stream load S3 sqlite arbor "$rate" --stream
