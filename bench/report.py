@@ -513,6 +513,7 @@ w("```sh")
 w("bench/run.sh                 # everything (~25 min), rewrites bench/results/ and bench/REPORT.md")
 w("bench/run.sh --only 'S1 S3'  # some scenarios")
 w("bench/run.sh --smoke         # the harness at a tiny rate, as CI runs it")
+w("SQLITE_SYNC=normal bench/run.sh --only 'S1 S3'   # SQLite without the fsync per durable commit")
 w("```")
 w("")
 w("S6 needs `litellm` (`python3 -m venv bench/.venv && bench/.venv/bin/pip install 'litellm[proxy]'`, or "

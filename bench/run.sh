@@ -12,7 +12,8 @@
 # of bench/), LOAD_EXTRA (more arbor-bench load options), PG_URL (default
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
 # default: bench/.venv or the one on PATH; installed into bench/.venv when
-# missing and BENCH_INSTALL_LITELLM=1).
+# missing and BENCH_INSTALL_LITELLM=1), SQLITE_SYNC (normal: SQLite commits
+# without the fsync per durable commit; default full).
 #
 # Arbor runs pinned to ARBOR_CORE; the mocks and the load client share
 # LOAD_CORE. Everything listens on 127.0.0.1 and every load is bounded in
