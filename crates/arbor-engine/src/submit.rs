@@ -621,9 +621,10 @@ impl Inner {
         turn.status = TurnStatus::Running;
         turn.pending_messages.clear();
         turn.started_at = Some(now_millis());
-        let reservation = match queued.limited {
-            true => Some(self.first_reservation(hub, conversation, queued, &turn, &nodes).await?),
-            false => None,
+        let reservation = if queued.limited {
+            Some(self.first_reservation(hub, conversation, queued, &turn, &nodes).await?)
+        } else {
+            None
         };
         let started = self.store.start_turn(&turn, &nodes, queued.waited, now_millis(), reservation.as_ref()).await;
         let (head_version, hold) = match started {

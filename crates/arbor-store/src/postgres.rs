@@ -1011,9 +1011,7 @@ impl Store for PostgresStore {
     async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
         let mut tx = self.begin().await?;
         let outcome = reserve(&mut tx, reservation).await?;
-        if matches!(outcome, ReserveOutcome::Reserved { .. }) {
-            tx.commit().await?;
-        }
+        tx.commit().await?;
         Ok(outcome)
     }
 
