@@ -12,10 +12,15 @@ use arbor_core::Event;
 use arbor_store::{Notice, Store};
 
 use crate::hub::Hub;
+use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 
 /// Largest number of events written in one transaction.
 const MAX_BATCH: usize = 512;
+
+/// Conversations whose events the database numbers at the same time (each
+/// holds a pooled connection meanwhile; the pool has 16).
+const CONCURRENT_GROUPS: usize = 4;
 
 enum Message {
     /// An event, and the hub's "flushed up to" mark to advance once stored.
@@ -120,37 +125,47 @@ async fn number_and_publish(store: &dyn Store, events: Vec<(Event, Weak<Hub>)>) 
             None => groups.push((event.conversation_id.clone(), hub, vec![event])),
         }
     }
-    for (conversation_id, hub, group) in groups {
-        let mut delay = Duration::from_millis(20);
-        let mut numbered = None;
-        for attempt in 1..=5 {
-            match store.append_events_numbered(&conversation_id, &group).await {
-                Ok(stored) => {
-                    numbered = Some(stored);
-                    break;
-                }
-                Err(error) => {
-                    tracing::warn!(%error, attempt, events = group.len(), "storing events failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
-                }
+    // Conversations are numbered independently, so their groups are stored
+    // side by side (each batch holds one group per conversation, and the
+    // next batch waits for this one: a conversation's events stay in order).
+    futures_util::stream::iter(groups)
+        .for_each_concurrent(CONCURRENT_GROUPS, |(conversation_id, hub, group)| {
+            store_numbered_group(store, conversation_id, hub, group)
+        })
+        .await;
+}
+
+/// Numbers and stores one conversation's events, then publishes them.
+async fn store_numbered_group(store: &dyn Store, conversation_id: Arc<str>, hub: Weak<Hub>, group: Vec<Event>) {
+    let mut delay = Duration::from_millis(20);
+    let mut numbered = None;
+    for attempt in 1..=5 {
+        match store.append_events_numbered(&conversation_id, &group).await {
+            Ok(stored) => {
+                numbered = Some(stored);
+                break;
+            }
+            Err(error) => {
+                tracing::warn!(%error, attempt, events = group.len(), "storing events failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
             }
         }
-        let Some(numbered) = numbered else {
-            tracing::error!(events = group.len(), %conversation_id, "storing events failed five times; they are lost");
-            if let Some(hub) = hub.upgrade() {
-                hub.publish(&[], group.len());
-            }
-            continue;
-        };
+    }
+    let Some(numbered) = numbered else {
+        tracing::error!(events = group.len(), %conversation_id, "storing events failed five times; they are lost");
         if let Some(hub) = hub.upgrade() {
-            hub.publish(&numbered, group.len());
+            hub.publish(&[], group.len());
         }
-        if let Some(last) = numbered.last() {
-            let notice = Notice::Events { conversation_id: conversation_id.to_string(), seq: last.seq };
-            if let Err(error) = store.notify(&notice).await {
-                tracing::warn!(%error, "announcing events to the other nodes failed; they will see them on their next read");
-            }
+        return;
+    };
+    if let Some(hub) = hub.upgrade() {
+        hub.publish(&numbered, group.len());
+    }
+    if let Some(last) = numbered.last() {
+        let notice = Notice::Events { conversation_id: conversation_id.to_string(), seq: last.seq };
+        if let Err(error) = store.notify(&notice).await {
+            tracing::warn!(%error, "announcing events to the other nodes failed; they will see them on their next read");
         }
     }
 }

@@ -946,6 +946,12 @@ impl Store for PostgresStore {
 
     async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
         let mut tx = self.begin().await?;
+        // Events are not waited on for durability (viewers have them once
+        // numbered): the commit does not wait for the WAL flush. WAL is
+        // flushed in order, so the next synchronous commit (a turn's start
+        // or end, on any node) makes these durable too; a crash of the
+        // database can lose only a suffix of the events, never leave a gap.
+        sqlx::query("SET LOCAL synchronous_commit = off").execute(&mut *tx).await?;
         // The conversation's row lock orders numbering across nodes: the
         // next writer waits here until this one commits, so numbers become
         // visible in order. NO KEY UPDATE leaves inserts that merely
