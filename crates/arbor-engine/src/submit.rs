@@ -11,7 +11,7 @@ use arbor_core::ids::{new_id, now_millis};
 use arbor_core::message::NodeStatus;
 use arbor_core::tree::{MergePlan, Tree, ViewMessage, merge_view};
 use arbor_core::{EventName, Message, Node, Role};
-use arbor_store::{Conversation, ReserveOutcome, StoreError, Turn, TurnStarted, TurnStatus, User};
+use arbor_store::{Conversation, StoreError, Turn, TurnStarted, TurnStatus, User};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -628,17 +628,7 @@ impl Inner {
         };
         let started = self.store.start_turn(&turn, &nodes, queued.waited, now_millis(), reservation.as_ref()).await;
         let (head_version, hold) = match started {
-            Ok(TurnStarted { head_version, reserved }) => (
-                head_version,
-                match (reserved, reservation) {
-                    (Some(ReserveOutcome::Reserved { .. }), Some(reservation)) => Hold::Held(reservation.id),
-                    (Some(ReserveOutcome::Insufficient { available }), Some(reservation)) => Hold::Refused(format!(
-                        "this reply could cost up to {} credits and {available} are left; ask an administrator for more credits",
-                        reservation.credits
-                    )),
-                    _ => Hold::Unlimited,
-                },
-            ),
+            Ok(TurnStarted { head_version, reserved }) => (head_version, Hold::of(reservation.zip(reserved))),
             Err(StoreError::Conflict(_)) => {
                 return Err(match self.running_elsewhere(&conversation.id).await {
                     running @ EngineError::TurnRunning { .. } => running,

@@ -40,6 +40,20 @@ pub(crate) enum Hold {
     Refused(String),
 }
 
+impl Hold {
+    /// What the reservation asked of `start_turn` (if any) came to.
+    pub(crate) fn of(outcome: Option<(arbor_store::Reservation, arbor_store::ReserveOutcome)>) -> Hold {
+        match outcome {
+            None => Hold::Unlimited,
+            Some((reservation, arbor_store::ReserveOutcome::Reserved { .. })) => Hold::Held(reservation.id),
+            Some((reservation, arbor_store::ReserveOutcome::Insufficient { available })) => Hold::Refused(format!(
+                "this reply could cost up to {} credits and {available} are left; ask an administrator for more credits",
+                reservation.credits
+            )),
+        }
+    }
+}
+
 /// The most a limited user's call may ask the model to write, so the credits
 /// held for it stay a sensible amount.
 pub(crate) fn output_cap(model: &ResolvedModel) -> u64 {

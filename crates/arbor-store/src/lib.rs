@@ -216,7 +216,10 @@ pub trait Store: Send + Sync + 'static {
     /// Holds `reservation.credits` of the user's balance for a call about to
     /// be made, atomically against every other reservation and charge: the
     /// sum held never exceeds the balance. `NotFound` for an unknown user,
-    /// `Conflict` for a reused reservation id.
+    /// `Conflict` for a reused reservation id. A turn's first call holds
+    /// its credits through [`Store::start_turn`] instead; this is for a
+    /// later call of the same turn (a tool loop's next iteration, which the
+    /// engine does not make yet).
     async fn reserve_credits(&self, reservation: &Reservation) -> StoreResult<ReserveOutcome>;
     /// [`Store::record_call`] for a reserved call: in the same transaction
     /// the reservation is given back (if it still exists; an expired one may
