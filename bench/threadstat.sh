@@ -3,7 +3,8 @@
 # database) against the 0 ms mock (core 1), drives RATE turns/s for 12 s and
 # counts, over 5 s in the middle, each thread's CPU time and the SQLite
 # writer's pwrite and fcntl calls (two pwrites per WAL frame; ~6 fcntl lock
-# calls per commit), divided by the turns in the window. Alternate two
+# calls per commit) and the disk's write requests and cache flushes, divided
+# by the turns in the window. Alternate two
 # builds to compare them; single runs vary by ~10% on a shared VM.
 #
 #   bench/threadstat.sh [ARBOR_BIN] [RATE]      # defaults: the release build, 500
@@ -41,11 +42,16 @@ taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:
   --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
 LOAD_PID=$!
 sleep 5
-perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
+# The block device under $WORK: its write requests and cache flushes in the
+# window (/sys/class/block/DEV/stat: writes completed, sectors written, flushes).
+DISK=/sys/class/block/$(basename "$(df --output=source "$WORK" | tail -n1)")/stat
+cp "$DISK" "$WORK/disk.before" 2>/dev/null || true
+perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync,syscalls:sys_enter_pread64,syscalls:sys_enter_getrandom,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
   -o "$WORK/perf.txt" -- sleep 5
+cp "$DISK" "$WORK/disk.after" 2>/dev/null || true
 wait "$LOAD_PID"
-python3 - "$WORK/perf.txt" "$((RATE * 5))" <<'PY'
-import collections, re, sys
+python3 - "$WORK/perf.txt" "$((RATE * 5))" "$WORK/disk.before" "$WORK/disk.after" <<'PY'
+import collections, os, re, sys
 path, turns = sys.argv[1], int(sys.argv[2])
 total = collections.defaultdict(float)
 for line in open(path):
@@ -61,7 +67,16 @@ print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
       f"fcntl {total[(writer, 'syscalls:sys_enter_fcntl')] / turns:.1f}, "
       f"fsync {total[(writer, 'syscalls:sys_enter_fsync')] / turns:.2f} "
       f"fdatasync {total[(writer, 'syscalls:sys_enter_fdatasync')] / turns:.2f} "
-      f"(checkpointer {total[('arbor-sqlite-ch', 'syscalls:sys_enter_fsync')] / turns:.2f}); context switches "
-      f"{sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
+      f"(checkpointer {sum(total[('arbor-sqlite-ch', 'syscalls:sys_enter_' + call)] for call in ('fsync', 'fdatasync')) / turns:.2f}); "
+      f"context switches {sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
+worker = "tokio-rt-worker"
+print(f"worker per turn: pread {total[(worker, 'syscalls:sys_enter_pread64')] / turns:.2f}, "
+      f"getrandom {total[(worker, 'syscalls:sys_enter_getrandom')] / turns:.2f}")
+if all(os.path.exists(p) for p in sys.argv[3:5]):
+    before, after = ([int(v) for v in open(p).read().split()] for p in sys.argv[3:5])
+    delta = [b - a for a, b in zip(before, after)]
+    flushes = f", flushes {delta[15] / turns:.2f}" if len(delta) > 15 else ""
+    print(f"disk per turn (whole device): write requests {delta[4] / turns:.2f}, "
+          f"KiB written {delta[6] / 2 / turns:.1f}{flushes}")
 PY
 grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"

@@ -4,7 +4,10 @@
 use time::OffsetDateTime;
 
 /// A new time-ordered id (UUID v7, hyphenated). Used for conversations,
-/// turns, users, keys, api calls and generated message ids.
+/// turns, users, keys, api calls and generated message ids. Its random bits
+/// come from a thread-local CSPRNG seeded by the OS (uuid's `fast-rng`,
+/// i.e. rand's `ThreadRng`), not from a `getrandom` system call per id.
+/// Ids are not secrets; API keys draw their own 32 random bytes.
 pub fn new_id() -> String {
     uuid::Uuid::now_v7().to_string()
 }
