@@ -49,9 +49,9 @@
 use std::cell::Cell;
 use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
@@ -196,13 +196,72 @@ thread_local! {
 /// How long the WAL is, as the writer last saw it: the frames in it after
 /// its last commit (it starts from 0 when the WAL starts over). Shared with
 /// the thread that checkpoints, which copies frames only once enough have
-/// piled up (see `mod.rs`).
+/// piled up (see `mod.rs`), and which sleeps here while nothing is written:
+/// the writer wakes it when the length changes, so an idle store's threads
+/// do not wake at all.
 #[derive(Clone, Debug, Default)]
-pub(super) struct WalLength(Arc<AtomicI32>);
+pub(super) struct WalLength(Arc<WalShared>);
+
+#[derive(Debug, Default)]
+struct WalShared {
+    frames: AtomicI32,
+    /// Set by the watcher before it sleeps, so that the writer takes the
+    /// lock and wakes it only then (most commits find it unset).
+    asleep: AtomicBool,
+    /// The writer is gone: the watcher stops waiting.
+    closed: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
 
 impl WalLength {
     pub fn frames(&self) -> c_int {
-        self.0.load(Ordering::Relaxed)
+        self.0.frames.load(Ordering::SeqCst)
+    }
+
+    /// Records the length after a commit (the writer) and wakes a watcher
+    /// asleep in [`WalLength::wait_for_change`] if it changed.
+    pub fn set(&self, frames: c_int) {
+        if self.0.frames.swap(frames, Ordering::SeqCst) != frames {
+            self.wake();
+        }
+    }
+
+    /// The writer has stopped: wakes the watcher for good.
+    pub fn close(&self) {
+        self.0.closed.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.0.closed.load(Ordering::SeqCst)
+    }
+
+    fn wake(&self) {
+        if self.0.asleep.load(Ordering::SeqCst) {
+            let _guard = self.0.lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.0.wake.notify_all();
+        }
+    }
+
+    /// Sleeps until the length is no longer `seen`, the writer closes, or
+    /// `timeout` (if any) passes. The flag is raised before the length is
+    /// looked at again, and the writer changes the length before it looks
+    /// at the flag (both sequentially consistent), so either the watcher
+    /// sees the new length or the writer sees the flag and wakes it.
+    pub fn wait_for_change(&self, seen: c_int, timeout: Option<Duration>) {
+        let shared = &self.0;
+        shared.asleep.store(true, Ordering::SeqCst);
+        let guard = shared.lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if self.frames() == seen && !self.is_closed() {
+            let _guard = match timeout {
+                Some(timeout) => {
+                    shared.wake.wait_timeout(guard, timeout).unwrap_or_else(|poisoned| poisoned.into_inner()).0
+                }
+                None => shared.wake.wait(guard).unwrap_or_else(|poisoned| poisoned.into_inner()),
+            };
+        }
+        shared.asleep.store(false, Ordering::SeqCst);
     }
 }
 
@@ -279,8 +338,9 @@ impl Writer {
                 // After the writer's own checkpoint too: the WAL it leaves
                 // starts over with the next commit, and the background
                 // thread should not take it for one near the limit.
-                wal_length.0.store(WAL_PAGES.get(), Ordering::Relaxed);
+                wal_length.set(WAL_PAGES.get());
             }
+            wal_length.close();
         })?;
         Ok(Writer { jobs })
     }
@@ -436,6 +496,46 @@ fn no_answer() -> StoreError {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Runs `wait_for_change(seen, timeout)` on a thread of its own.
+    fn watcher(wal: &WalLength, seen: c_int, timeout: Option<Duration>) -> std::thread::JoinHandle<()> {
+        let wal = wal.clone();
+        std::thread::spawn(move || wal.wait_for_change(seen, timeout))
+    }
+
+    fn finishes_within(handle: &std::thread::JoinHandle<()>, limit: Duration) -> bool {
+        let start = Instant::now();
+        while !handle.is_finished() && start.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        handle.is_finished()
+    }
+
+    #[test]
+    fn a_watcher_sleeps_until_the_wal_changes() {
+        let wal = WalLength::default();
+        wal.set(3);
+        let asleep = watcher(&wal, 3, None);
+        assert!(!finishes_within(&asleep, Duration::from_millis(100)), "woke with nothing written");
+        wal.set(3);
+        assert!(!finishes_within(&asleep, Duration::from_millis(50)), "the same length woke it");
+        wal.set(40);
+        assert!(finishes_within(&asleep, Duration::from_secs(5)), "a commit did not wake it");
+        // A length it has not seen yet does not put it to sleep at all.
+        assert!(finishes_within(&watcher(&wal, 3, None), Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn a_watcher_wakes_when_its_time_passes_or_the_writer_stops() {
+        let wal = WalLength::default();
+        let timed = watcher(&wal, 0, Some(Duration::from_millis(20)));
+        assert!(finishes_within(&timed, Duration::from_secs(5)), "the timeout did not end the wait");
+        let asleep = watcher(&wal, 0, None);
+        assert!(!finishes_within(&asleep, Duration::from_millis(50)));
+        wal.close();
+        assert!(finishes_within(&asleep, Duration::from_secs(5)), "closing did not wake it");
+        assert!(wal.is_closed());
+    }
 
     /// A writer on a fresh in-memory database with one table, and a count
     /// of the commits it makes.
