@@ -392,6 +392,20 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
     Ok(released.is_some())
 }
 
+/// Numbers a batch of one conversation's events after its last stored one
+/// and inserts them, in one statement; returns that last number (the
+/// batch is `last + 1 ..` in order, as `codec::number_events` numbers it).
+/// Run under the conversation's row lock (see `append_events_numbered`).
+const NUMBERED_EVENTS_INSERT: &str = concat!(
+    "WITH last AS (SELECT COALESCE(MAX(seq), 0)::bigint AS seq FROM events WHERE conversation_id = $1), \
+     stored AS (INSERT INTO events (",
+    event_columns!(),
+    ") SELECT $1, last.seq + batch.position, batch.turn_id, batch.name, batch.data, batch.created_at \
+       FROM last, UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[]) \
+       WITH ORDINALITY AS batch (turn_id, name, data, created_at, position) RETURNING 1) \
+     SELECT seq FROM last"
+);
+
 /// Inserts events in one statement (`UNNEST` of column arrays).
 async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> StoreResult<()> {
     let conversation_ids: Vec<&str> = events.iter().map(|e| &*e.conversation_id).collect();
@@ -416,6 +430,54 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
     .await?;
     Ok(())
 }
+
+/// A finished turn in one statement: the reservation given back, the reply
+/// stored (inserted, or updated in place), the call, its charge and ledger
+/// row, the head moved to the reply and the turn's final state. The same
+/// rules as the separate statements: the balance changes in one `UPDATE …
+/// RETURNING` under the row lock, foreign keys are checked at the end of
+/// the statement (so the ledger row may name the call inserted beside it).
+/// A row is changed at most once per statement in PostgreSQL, so the
+/// user's charge and the release of their reservation are one update; a
+/// reservation of another user (the engine makes none) is released apart.
+/// Parameters: $1 the reservation (or NULL); $2–$17 the reply's columns and
+/// $18 whether there is one; $19–$36 the call; $37 the time of the head
+/// move; $38–$54 the turn, as in [`update_turn_on`]. Returns whether the
+/// user was charged, their balance after, the new head version (with a
+/// reply) and whether the turn was found.
+const FINISH_TURN: &str = concat!(
+    "WITH gone AS (DELETE FROM credit_reservations WHERE id = $1 RETURNING user_id, credits), \
+     released AS (UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
+       FROM gone WHERE users.id = gone.user_id AND users.id <> $22 RETURNING 1), \
+     reply AS (INSERT INTO messages (",
+    node_columns!(),
+    ") SELECT $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17 WHERE $18 \
+       ON CONFLICT (conversation_id, id) DO UPDATE SET \
+       content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
+       tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
+       tool_status = excluded.tool_status, model = excluded.model, \
+       provider = excluded.provider, status = excluded.status RETURNING 1), \
+     call AS (INSERT INTO api_calls (",
+    api_call_columns!(),
+    ") VALUES ($19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36) \
+       RETURNING 1), \
+     charged AS (UPDATE users SET balance_credits = balance_credits - $35, \
+       reserved_credits = GREATEST(users.reserved_credits \
+         - COALESCE((SELECT sum(gone.credits) FROM gone WHERE gone.user_id = users.id), 0), 0) \
+       WHERE id = $22 RETURNING balance_credits), \
+     entry AS (INSERT INTO cost_ledger (",
+    ledger_columns!(),
+    ") SELECT $19, $22, $19, $35, balance_credits, $36 FROM charged RETURNING 1), \
+     head AS (UPDATE conversations SET head_id = $3, head_version = head_version + 1, updated_at = $37 \
+       WHERE id = $2 AND $18 RETURNING head_version), \
+     finished AS (UPDATE turns SET status = $38, model = $39, iterations = $40, input_tokens = $41, \
+       output_tokens = $42, thinking_tokens = $43, cached_tokens = $44, \
+       cache_write_tokens = $45, cost_micro_usd = $46, reply_message_id = $47, \
+       error_code = $48, error_message = $49, started_at = $50, finished_at = $51, \
+       pending_messages = $52 WHERE conversation_id = $53 AND id = $54 RETURNING 1) \
+     SELECT (SELECT count(*) FROM charged), (SELECT balance_credits FROM charged), \
+       (SELECT head_version FROM head), (SELECT count(*) FROM finished)"
+);
 
 /// Inserts a turn with `executor` (the pool, or a shared transaction).
 async fn insert_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
@@ -876,24 +938,84 @@ impl Store for PostgresStore {
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {
+        // One statement instead of six (and BEGIN/COMMIT around it): each
+        // was a round trip to the database while the turn's `done` waited.
         let mut tx = self.begin().await?;
-        if let Some(reservation_id) = reservation_id {
-            release(&mut tx, reservation_id).await?;
+        let reply_columns = reply.map(NodeColumns::new).transpose()?;
+        let node = |field: fn(&Node) -> Option<&str>| reply.and_then(field);
+        let (charged, balance_after, head_version, finished) =
+            sqlx::query_as::<_, (i64, Option<i64>, Option<i64>, i64)>(FINISH_TURN)
+                .bind(reservation_id)
+                .bind(node(|n| Some(&n.conversation_id)))
+                .bind(node(|n| Some(&n.id)))
+                .bind(node(|n| n.parent_id.as_deref()))
+                .bind(node(|n| Some(n.message.role.as_str())))
+                .bind(node(|n| n.message.content.as_deref()))
+                .bind(reply_columns.as_ref().and_then(|columns| columns.parts.clone()))
+                .bind(reply_columns.as_ref().and_then(|columns| columns.tool_calls.clone()))
+                .bind(node(|n| n.message.tool_call_id.as_deref()))
+                .bind(node(|n| n.message.tool_name.as_deref()))
+                .bind(reply_columns.as_ref().and_then(|columns| columns.tool_status))
+                .bind(node(|n| n.model.as_deref()))
+                .bind(node(|n| n.provider.as_deref()))
+                .bind(node(|n| n.turn_id.as_deref()))
+                .bind(node(|n| n.copied_from.as_deref()))
+                .bind(node(|n| Some(n.status.as_str())))
+                .bind(reply.map(|n| n.created_at))
+                .bind(reply.is_some())
+                .bind(&call.id)
+                .bind(&call.turn_id)
+                .bind(&call.conversation_id)
+                .bind(&call.user_id)
+                .bind(&call.kind)
+                .bind(&call.provider)
+                .bind(&call.model)
+                .bind(to_i64(call.usage.input_tokens))
+                .bind(to_i64(call.usage.output_tokens))
+                .bind(to_i64(call.usage.thinking_tokens))
+                .bind(to_i64(call.usage.cached_tokens))
+                .bind(to_i64(call.usage.cache_write_tokens))
+                .bind(to_i64(call.latency_ms))
+                .bind(call.ttft_ms.map(to_i64))
+                .bind(&call.status)
+                .bind(&call.error_code)
+                .bind(to_i64(call.cost_micro_usd))
+                .bind(call.created_at)
+                .bind(updated_at)
+                .bind(turn.status.as_str())
+                .bind(&turn.model)
+                .bind(i64::from(turn.iterations))
+                .bind(to_i64(turn.usage.input_tokens))
+                .bind(to_i64(turn.usage.output_tokens))
+                .bind(to_i64(turn.usage.thinking_tokens))
+                .bind(to_i64(turn.usage.cached_tokens))
+                .bind(to_i64(turn.usage.cache_write_tokens))
+                .bind(to_i64(turn.cost_micro_usd))
+                .bind(&turn.reply_message_id)
+                .bind(&turn.error_code)
+                .bind(&turn.error_message)
+                .bind(turn.started_at)
+                .bind(turn.finished_at)
+                .bind(codec::pending_json(turn))
+                .bind(&turn.conversation_id)
+                .bind(&turn.id)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(codec::running_turn_conflict)?;
+        // The user, the reply's conversation or the turn is gone: nothing
+        // is kept (the transaction rolls back when dropped).
+        if charged == 0 || finished == 0 || (reply.is_some() && head_version.is_none()) {
+            return Err(StoreError::NotFound);
         }
-        let entry = charge_call(&mut tx, call, reply).await?;
-        let head_version = match reply {
-            Some(node) => Some(
-                sqlx::query_scalar::<_, i64>("UPDATE conversations SET head_id = $1, head_version = head_version + 1, updated_at = $2 WHERE id = $3 RETURNING head_version")
-                    .bind(&node.id)
-                    .bind(updated_at)
-                    .bind(&node.conversation_id)
-                    .fetch_one(&mut *tx)
-                    .await?,
-            ),
-            None => None,
-        };
-        update_turn_on(&mut *tx, turn).await?;
         tx.commit().await?;
+        let entry = LedgerEntry {
+            id: call.id.clone(),
+            user_id: call.user_id.clone(),
+            api_call_id: call.id.clone(),
+            credits: to_i64(call.cost_micro_usd),
+            balance_after,
+            created_at: call.created_at,
+        };
         Ok((entry, head_version))
     }
 
@@ -947,33 +1069,45 @@ impl Store for PostgresStore {
     async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
         let mut tx = self.begin().await?;
         // Events are not waited on for durability (viewers have them once
-        // numbered): the commit does not wait for the WAL flush. WAL is
-        // flushed in order, so the next synchronous commit (a turn's start
-        // or end, on any node) makes these durable too; a crash of the
-        // database can lose only a suffix of the events, never leave a gap.
-        sqlx::query("SET LOCAL synchronous_commit = off").execute(&mut *tx).await?;
+        // numbered): the commit does not wait for the WAL flush
+        // (`synchronous_commit` off for this transaction). WAL is flushed in
+        // order, so the next synchronous commit (a turn's start or end, on
+        // any node) makes these durable too; a crash of the database can
+        // lose only a suffix of the events, never leave a gap.
         // The conversation's row lock orders numbering across nodes: the
         // next writer waits here until this one commits, so numbers become
         // visible in order. NO KEY UPDATE leaves inserts that merely
         // reference the conversation (messages, turns) unblocked.
-        let exists: Option<i32> = sqlx::query_scalar("SELECT 1 FROM conversations WHERE id = $1 FOR NO KEY UPDATE")
-            .bind(conversation_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if exists.is_none() {
+        let locked: Option<String> = sqlx::query_scalar(
+            "SELECT set_config('synchronous_commit', 'off', true) FROM conversations \
+             WHERE id = $1 FOR NO KEY UPDATE",
+        )
+        .bind(conversation_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if locked.is_none() {
             return Err(StoreError::NotFound);
         }
-        let last: i64 =
-            sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE conversation_id = $1")
-                .bind(conversation_id)
-                .fetch_one(&mut *tx)
-                .await?;
-        let numbered = codec::number_events(conversation_id, last, events);
-        if !numbered.is_empty() {
-            insert_events(&mut tx, &numbered).await?;
+        if events.is_empty() {
+            tx.commit().await?;
+            return Ok(Vec::new());
         }
+        // A statement of its own, after the lock: under READ COMMITTED its
+        // snapshot then holds the numbers the previous holder committed.
+        let turn_ids: Vec<Option<&str>> = events.iter().map(|e| e.turn_id.as_deref()).collect();
+        let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
+        let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
+        let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
+        let last: i64 = sqlx::query_scalar(NUMBERED_EVENTS_INSERT)
+            .bind(conversation_id)
+            .bind(turn_ids)
+            .bind(names)
+            .bind(data)
+            .bind(created_ats)
+            .fetch_one(&mut *tx)
+            .await?;
         tx.commit().await?;
-        Ok(numbered)
+        Ok(codec::number_events(conversation_id, last, events))
     }
 
     async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>> {

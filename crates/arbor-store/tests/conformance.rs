@@ -197,6 +197,7 @@ stories!(
     story_a_large_tree_loads_whole,
     story_queued_turns_keep_their_messages,
     story_finish_turn_writes_everything_at_once,
+    story_finish_turn_of_a_missing_turn_keeps_nothing,
     story_start_turn_is_all_or_nothing,
     story_start_turn_reserves_credits,
 );
@@ -1185,8 +1186,33 @@ async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
     assert_eq!(finished.reply_message_id.as_deref(), Some("a1"));
     assert_eq!(store.available_credits("alice").await.expect("read"), Some(750), "the hold is gone, the charge made");
 
+    let ledger = store.ledger("alice", 10).await.expect("ledger");
+    assert_eq!(ledger, vec![entry.clone()], "the ledger row is the entry returned");
+    assert_eq!((entry.id.as_str(), entry.api_call_id.as_str(), entry.user_id.as_str()), ("k1", "k1", "alice"));
+
     // A second running turn may start now: the slot was freed in the same commit.
     store.insert_turn(&turn("c1", "t2", TurnStatus::Running, 70)).await.expect("slot free");
+}
+
+/// Finishing a turn the store does not have fails whole: no reply, call,
+/// charge, ledger row or head move is kept, and the hold stays.
+async fn story_finish_turn_of_a_missing_turn_keeps_nothing(store: Arc<dyn Store>) {
+    alice_with_conversation(store.as_ref(), Some(1_000)).await;
+    store.append_messages(&[node("c1", "u1", None, Message::user("hi"))], 20).await.expect("user message");
+    store.reserve_credits(&reservation("r1", "alice", 600, 10_000)).await.expect("reserve");
+    let before = store.conversation("alice", "c1").await.expect("read").expect("c1");
+    let mut ghost = turn("c1", "t9", TurnStatus::Succeeded, 30);
+    ghost.reply_message_id = Some("a1".into());
+    let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let finished = store.finish_turn(&ghost, &call("k1", "alice", "c1", "t9", 250), Some(&reply), Some("r1"), 60).await;
+    assert!(matches!(finished, Err(StoreError::NotFound)), "{finished:?}");
+    assert!(store.message("c1", "a1").await.expect("read").is_none(), "the reply was kept");
+    assert!(store.api_calls("t9").await.expect("read").is_empty(), "the call was kept");
+    assert!(store.ledger("alice", 10).await.expect("read").is_empty(), "the charge was kept");
+    assert_eq!(balance(&*store, "alice").await, Some(1_000));
+    assert_eq!(store.available_credits("alice").await.expect("read"), Some(400), "the hold was given back");
+    let after = store.conversation("alice", "c1").await.expect("read").expect("c1");
+    assert_eq!((after.head_id, after.head_version), (before.head_id, before.head_version));
 }
 
 /// Starting a turn writes the running turn and its messages together, or
