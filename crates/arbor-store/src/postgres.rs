@@ -16,7 +16,7 @@ use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{Postgres, Row, Transaction};
 use tokio::sync::{OnceCell, broadcast, oneshot};
 
 use crate::codec::{self, NodeColumns, to_i64};
@@ -173,6 +173,31 @@ const NODES_INSERT: &str = concat!(
     ", position) ORDER BY position"
 );
 
+/// A new running turn, its messages and the head moved to the last of them,
+/// in one statement (the round trips of three were on the path of every
+/// turn's first token). Parameters: $1–$20 the turn (`bind_turn`), $21–$36
+/// the messages' arrays (`NodeArrays`), $37 the new head, $38 the time and
+/// $39 the conversation. Returns the new head version; no row when the
+/// conversation is gone.
+const START_TURN: &str = concat!(
+    "WITH started AS (INSERT INTO turns (",
+    turn_columns!(),
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20) \
+       RETURNING 1), \
+     added AS (INSERT INTO messages (",
+    node_columns!(),
+    ") SELECT ",
+    node_columns!(),
+    " FROM UNNEST($21::text[], $22::text[], $23::text[], $24::text[], $25::text[], $26::text[], \
+       $27::text[], $28::text[], $29::text[], $30::text[], $31::text[], $32::text[], $33::text[], \
+       $34::text[], $35::text[], $36::bigint[]) WITH ORDINALITY AS batch (",
+    node_columns!(),
+    ", position) ORDER BY position RETURNING 1), \
+     head AS (UPDATE conversations SET head_id = $37, head_version = head_version + 1, updated_at = $38 \
+       WHERE id = $39 RETURNING head_version) \
+     SELECT head_version FROM head"
+);
+
 /// One node, inserted or, when its id exists, updated in place (identity
 /// and place in the tree stay as they were).
 const NODE_UPSERT: &str = concat!(
@@ -187,63 +212,97 @@ const NODE_UPSERT: &str = concat!(
 );
 
 async fn insert_nodes(tx: &mut Transaction<'static, Postgres>, nodes: &[Node]) -> StoreResult<()> {
-    // Column-wise arrays, one per parameter.
-    let mut conversation_ids = Vec::with_capacity(nodes.len());
-    let mut ids = Vec::with_capacity(nodes.len());
-    let mut parent_ids = Vec::with_capacity(nodes.len());
-    let mut roles = Vec::with_capacity(nodes.len());
-    let mut contents = Vec::with_capacity(nodes.len());
-    let mut parts = Vec::with_capacity(nodes.len());
-    let mut tool_calls = Vec::with_capacity(nodes.len());
-    let mut tool_call_ids = Vec::with_capacity(nodes.len());
-    let mut tool_names = Vec::with_capacity(nodes.len());
-    let mut tool_statuses = Vec::with_capacity(nodes.len());
-    let mut models = Vec::with_capacity(nodes.len());
-    let mut providers = Vec::with_capacity(nodes.len());
-    let mut turn_ids = Vec::with_capacity(nodes.len());
-    let mut copied_froms = Vec::with_capacity(nodes.len());
-    let mut statuses = Vec::with_capacity(nodes.len());
-    let mut created_ats = Vec::with_capacity(nodes.len());
-    for node in nodes {
-        let columns = NodeColumns::new(node)?;
-        conversation_ids.push(node.conversation_id.as_str());
-        ids.push(node.id.as_str());
-        parent_ids.push(node.parent_id.as_deref());
-        roles.push(node.message.role.as_str());
-        contents.push(node.message.content.as_deref());
-        parts.push(columns.parts);
-        tool_calls.push(columns.tool_calls);
-        tool_call_ids.push(node.message.tool_call_id.as_deref());
-        tool_names.push(node.message.tool_name.as_deref());
-        tool_statuses.push(columns.tool_status);
-        models.push(node.model.as_deref());
-        providers.push(node.provider.as_deref());
-        turn_ids.push(node.turn_id.as_deref());
-        copied_froms.push(node.copied_from.as_deref());
-        statuses.push(node.status.as_str());
-        created_ats.push(node.created_at);
-    }
-    sqlx::query(NODES_INSERT)
-        .bind(conversation_ids)
-        .bind(ids)
-        .bind(parent_ids)
-        .bind(roles)
-        .bind(contents)
-        .bind(parts)
-        .bind(tool_calls)
-        .bind(tool_call_ids)
-        .bind(tool_names)
-        .bind(tool_statuses)
-        .bind(models)
-        .bind(providers)
-        .bind(turn_ids)
-        .bind(copied_froms)
-        .bind(statuses)
-        .bind(created_ats)
-        .execute(&mut **tx)
-        .await?;
+    NodeArrays::new(nodes)?.bind(sqlx::query(NODES_INSERT)).execute(&mut **tx).await?;
     Ok(())
 }
+
+/// A batch of nodes as column-wise arrays, one per parameter of an
+/// `UNNEST` insert ([`NODES_INSERT`], [`START_TURN`]).
+struct NodeArrays<'a> {
+    conversation_ids: Vec<&'a str>,
+    ids: Vec<&'a str>,
+    parent_ids: Vec<Option<&'a str>>,
+    roles: Vec<&'a str>,
+    contents: Vec<Option<&'a str>>,
+    parts: Vec<Option<String>>,
+    tool_calls: Vec<Option<String>>,
+    tool_call_ids: Vec<Option<&'a str>>,
+    tool_names: Vec<Option<&'a str>>,
+    tool_statuses: Vec<Option<&'static str>>,
+    models: Vec<Option<&'a str>>,
+    providers: Vec<Option<&'a str>>,
+    turn_ids: Vec<Option<&'a str>>,
+    copied_froms: Vec<Option<&'a str>>,
+    statuses: Vec<&'a str>,
+    created_ats: Vec<i64>,
+}
+
+impl<'a> NodeArrays<'a> {
+    fn new(nodes: &'a [Node]) -> StoreResult<Self> {
+        let mut arrays = NodeArrays {
+            conversation_ids: Vec::with_capacity(nodes.len()),
+            ids: Vec::with_capacity(nodes.len()),
+            parent_ids: Vec::with_capacity(nodes.len()),
+            roles: Vec::with_capacity(nodes.len()),
+            contents: Vec::with_capacity(nodes.len()),
+            parts: Vec::with_capacity(nodes.len()),
+            tool_calls: Vec::with_capacity(nodes.len()),
+            tool_call_ids: Vec::with_capacity(nodes.len()),
+            tool_names: Vec::with_capacity(nodes.len()),
+            tool_statuses: Vec::with_capacity(nodes.len()),
+            models: Vec::with_capacity(nodes.len()),
+            providers: Vec::with_capacity(nodes.len()),
+            turn_ids: Vec::with_capacity(nodes.len()),
+            copied_froms: Vec::with_capacity(nodes.len()),
+            statuses: Vec::with_capacity(nodes.len()),
+            created_ats: Vec::with_capacity(nodes.len()),
+        };
+        for node in nodes {
+            let columns = NodeColumns::new(node)?;
+            arrays.conversation_ids.push(node.conversation_id.as_str());
+            arrays.ids.push(node.id.as_str());
+            arrays.parent_ids.push(node.parent_id.as_deref());
+            arrays.roles.push(node.message.role.as_str());
+            arrays.contents.push(node.message.content.as_deref());
+            arrays.parts.push(columns.parts);
+            arrays.tool_calls.push(columns.tool_calls);
+            arrays.tool_call_ids.push(node.message.tool_call_id.as_deref());
+            arrays.tool_names.push(node.message.tool_name.as_deref());
+            arrays.tool_statuses.push(columns.tool_status);
+            arrays.models.push(node.model.as_deref());
+            arrays.providers.push(node.provider.as_deref());
+            arrays.turn_ids.push(node.turn_id.as_deref());
+            arrays.copied_froms.push(node.copied_from.as_deref());
+            arrays.statuses.push(node.status.as_str());
+            arrays.created_ats.push(node.created_at);
+        }
+        Ok(arrays)
+    }
+
+    /// Binds the sixteen arrays, in column order, as the next parameters.
+    fn bind(self, query: PgQuery<'a>) -> PgQuery<'a> {
+        query
+            .bind(self.conversation_ids)
+            .bind(self.ids)
+            .bind(self.parent_ids)
+            .bind(self.roles)
+            .bind(self.contents)
+            .bind(self.parts)
+            .bind(self.tool_calls)
+            .bind(self.tool_call_ids)
+            .bind(self.tool_names)
+            .bind(self.tool_statuses)
+            .bind(self.models)
+            .bind(self.providers)
+            .bind(self.turn_ids)
+            .bind(self.copied_froms)
+            .bind(self.statuses)
+            .bind(self.created_ats)
+    }
+}
+
+/// A query with PostgreSQL's arguments, for the helpers that bind a row.
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
 
 async fn upsert_node(tx: &mut Transaction<'static, Postgres>, node: &Node) -> StoreResult<()> {
     let columns = NodeColumns::new(node)?;
@@ -484,36 +543,45 @@ async fn insert_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
 where
     E: sqlx::Executor<'e, Database = Postgres>,
 {
-    sqlx::query(concat!(
-        "INSERT INTO turns (",
-        turn_columns!(),
-        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+    bind_turn(
+        sqlx::query(concat!(
+            "INSERT INTO turns (",
+            turn_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
              $17, $18, $19, $20)"
-    ))
-    .bind(&turn.id)
-    .bind(&turn.conversation_id)
-    .bind(&turn.user_id)
-    .bind(&turn.user_message_id)
-    .bind(turn.status.as_str())
-    .bind(&turn.model)
-    .bind(i64::from(turn.iterations))
-    .bind(to_i64(turn.usage.input_tokens))
-    .bind(to_i64(turn.usage.output_tokens))
-    .bind(to_i64(turn.usage.thinking_tokens))
-    .bind(to_i64(turn.usage.cached_tokens))
-    .bind(to_i64(turn.usage.cache_write_tokens))
-    .bind(to_i64(turn.cost_micro_usd))
-    .bind(&turn.reply_message_id)
-    .bind(&turn.error_code)
-    .bind(&turn.error_message)
-    .bind(turn.created_at)
-    .bind(turn.started_at)
-    .bind(turn.finished_at)
-    .bind(codec::pending_json(turn))
+        )),
+        turn,
+    )
     .execute(executor)
     .await
     .map_err(codec::running_turn_conflict)?;
     Ok(())
+}
+
+/// Binds a turn's twenty columns, in `turn_columns!` order, as the next
+/// parameters.
+fn bind_turn<'q>(query: PgQuery<'q>, turn: &'q Turn) -> PgQuery<'q> {
+    query
+        .bind(&turn.id)
+        .bind(&turn.conversation_id)
+        .bind(&turn.user_id)
+        .bind(&turn.user_message_id)
+        .bind(turn.status.as_str())
+        .bind(&turn.model)
+        .bind(i64::from(turn.iterations))
+        .bind(to_i64(turn.usage.input_tokens))
+        .bind(to_i64(turn.usage.output_tokens))
+        .bind(to_i64(turn.usage.thinking_tokens))
+        .bind(to_i64(turn.usage.cached_tokens))
+        .bind(to_i64(turn.usage.cache_write_tokens))
+        .bind(to_i64(turn.cost_micro_usd))
+        .bind(&turn.reply_message_id)
+        .bind(&turn.error_code)
+        .bind(&turn.error_message)
+        .bind(turn.created_at)
+        .bind(turn.started_at)
+        .bind(turn.finished_at)
+        .bind(codec::pending_json(turn))
 }
 
 /// Writes a turn's status, totals, error and times with `executor` (the
@@ -859,31 +927,45 @@ impl Store for PostgresStore {
         reservation: Option<&Reservation>,
     ) -> StoreResult<TurnStarted> {
         let mut tx = self.begin().await?;
-        let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
-        match updated {
-            Ok(()) => {}
-            Err(StoreError::NotFound) => insert_turn_on(&mut *tx, turn).await?,
-            Err(error) => return Err(error),
-        }
-        let version = if nodes.is_empty() {
-            let version: Option<i64> = sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = $1")
-                .bind(&turn.conversation_id)
+        let version = if !queued_row && !nodes.is_empty() {
+            // The usual start: a new turn with the user's message.
+            let (conversation_id, last_id) = codec::batch_target(nodes)?;
+            let query = NodeArrays::new(nodes)?.bind(bind_turn(sqlx::query(START_TURN), turn));
+            let row = query
+                .bind(last_id)
+                .bind(updated_at)
+                .bind(conversation_id)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(codec::running_turn_conflict)?;
+            row.ok_or(StoreError::NotFound)?.try_get::<i64, _>(0)?
+        } else {
+            let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
+            match updated {
+                Ok(()) => {}
+                Err(StoreError::NotFound) => insert_turn_on(&mut *tx, turn).await?,
+                Err(error) => return Err(error),
+            }
+            if nodes.is_empty() {
+                let version: Option<i64> = sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = $1")
+                    .bind(&turn.conversation_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                version.ok_or(StoreError::NotFound)?
+            } else {
+                let (conversation_id, last_id) = codec::batch_target(nodes)?;
+                insert_nodes(&mut tx, nodes).await?;
+                let version: Option<i64> = sqlx::query_scalar(
+                    "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
+                     updated_at = $2 WHERE id = $3 RETURNING head_version",
+                )
+                .bind(last_id)
+                .bind(updated_at)
+                .bind(conversation_id)
                 .fetch_optional(&mut *tx)
                 .await?;
-            version.ok_or(StoreError::NotFound)?
-        } else {
-            let (conversation_id, last_id) = codec::batch_target(nodes)?;
-            insert_nodes(&mut tx, nodes).await?;
-            let version: Option<i64> = sqlx::query_scalar(
-                "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
-                 updated_at = $2 WHERE id = $3 RETURNING head_version",
-            )
-            .bind(last_id)
-            .bind(updated_at)
-            .bind(conversation_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-            version.ok_or(StoreError::NotFound)?
+                version.ok_or(StoreError::NotFound)?
+            }
         };
         // Last, after the statements that can conflict with a finishing
         // turn, so that no transaction waits for another while holding the
