@@ -158,6 +158,22 @@ w = out.append
 w("# Arbor benchmark report")
 w("")
 date = machine.get("date", "?")
+
+
+def calibration_text(start, end):
+    """bench/calibrate.py's figures at the run's start and end, as text."""
+    def one(key, unit):
+        values = [c.get(key) for c in (start, end) if c]
+        return " → ".join(f"{v:g}" for v in values if v is not None) + f" {unit}"
+    if not (start or end):
+        return ""
+    return (f"`bench/calibrate.py` at the start → end: same-core hand-off round trip p50 "
+            f"{one('handoff_rt_us_p50', 'µs')}, round trip to a process on Arbor's idle core p50 "
+            f"{one('idle_wake_rt_us_p50', 'µs')}, 4 KiB write + `fdatasync` p50 {one('fdatasync_us_p50', 'µs')} "
+            f"(p99 {one('fdatasync_us_p99', 'µs')}), CPU loop {one('spin_ms', 'ms')}")
+
+
+calibration = calibration_text(machine.get("calibration_start"), machine.get("calibration_end"))
 commit = machine.get("commit", "?") + (" (with uncommitted changes)" if machine.get("dirty") else "")
 built = f"commit `{commit}`"
 if machine.get("arbor_bin"):
@@ -174,6 +190,9 @@ w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.g
      if machine.get("sqlite_sync", "normal") == "full" else
      f"`?synchronous={machine['sqlite_sync']}` (no fsync per commit; a power loss can lose the last commits)")
   + ".")
+if calibration:
+    w("")
+    w(f"This hour's machine: {calibration}. Compare runs only where these agree.")
 if machine.get("smoke"):
     w("")
     w("**Smoke run** (dev build, tiny rates): these numbers say nothing about performance.")
@@ -506,6 +525,9 @@ w(f"- {machine.get('rustc', '?')}; release profile (thin LTO, 4 codegen units)")
 w(f"- date: {date}; commit `{commit}`")
 w(f"- load average (1, 5, 15 min) at the start: {' '.join(machine.get('loadavg_start', []))}; at the end: "
   f"{' '.join(machine.get('loadavg_end', []))} (this run's own load is about 2; more means other work shared the cores)")
+if calibration:
+    w(f"- speed this hour ({calibration}): a shared VM varies by several times between hours, so compare two "
+      "runs' tables only when these agree")
 w("")
 w("## Reproduce")
 w("")

@@ -253,6 +253,8 @@ print(json.dumps({
     "loadavg_start": open("/proc/loadavg").read().split()[:3],
     # An A/B run measures another build than the harness's own.
     "arbor_bin": "$ARBOR_BIN" if "$ARBOR_BIN" != "$BIN/arbor" else None,
+    # How fast the machine is this hour (bench/calibrate.py); again at the end.
+    "calibration_start": json.loads(cmd("python3", "$ROOT/bench/calibrate.py", "$WORK", "$ARBOR_CORE") or "null"),
 }))
 EOF
 
@@ -403,10 +405,11 @@ fi
 
 # --- the report ------------------------------------------------------------------
 # The machine may be shared: the load average at the end says how much.
-python3 - "$RESULTS/machine.json" <<'EOF'
+python3 - "$RESULTS/machine.json" "$(python3 "$ROOT/bench/calibrate.py" "$WORK" "$ARBOR_CORE" || true)" <<'EOF'
 import json, sys
 machine = json.load(open(sys.argv[1]))
 machine["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
+machine["calibration_end"] = json.loads(sys.argv[2] or "null")
 json.dump(machine, open(sys.argv[1], "w"))
 EOF
 python3 "$ROOT/bench/report.py" "$RESULTS" "$REPORT"
