@@ -16,9 +16,25 @@ prices = { input = 150000, output = 600000 }
 TOML
 }
 
-# The rest is for profile.sh and threadstat.sh, which drive one Arbor on
-# core 0 against one 0 ms mock on core 1. They expect ROOT, BIN, WORK and
-# the PIDS array of the sourcing script.
+# The rest is for profile.sh, threadstat.sh and pgturns.sh, which drive one
+# Arbor on core 0 against one 0 ms mock on core 1. They expect ROOT and BIN
+# from the sourcing script, and WORK and PIDS from `open_work`.
+
+# Makes $WORK, a fresh temporary folder named after NAME, and the PIDS
+# array; on exit every process in PIDS is stopped and $WORK removed, unless
+# KEEP is `keep` (the folder then holds raw files the script points to).
+open_work() { # NAME [KEEP]
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-$1.XXXXXX")
+  PIDS=()
+  KEEP_WORK=${2:-}
+  trap close_work EXIT
+}
+
+close_work() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [[ $KEEP_WORK != keep ]]; then rm -rf "$WORK"; fi
+}
 
 # Starts the OpenAI mock on core 1 (20 chunks, TCP_NODELAY like a real
 # provider) on port 9100, and writes $WORK/arbor.toml: SQLite in $WORK and

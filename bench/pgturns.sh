@@ -18,16 +18,8 @@ ARBOR_BIN=${1:-$BIN/arbor}
 RATE=${2:-20}
 shift $(($# < 2 ? $# : 2))
 PG_URL=${PG_URL:-postgres://postgres@127.0.0.1:5432}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-pgturns.XXXXXX")
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
 source "$ROOT/bench/common.sh"
+open_work pgturns
 psql -q "$PG_URL/postgres" -c "DROP DATABASE IF EXISTS arbor_pgturns" -c "CREATE DATABASE arbor_pgturns" 2>/dev/null
 start_mock0
 sed -i "s|^database_url = .*|database_url = \"$PG_URL/arbor_pgturns\"|" "$WORK/arbor.toml"

@@ -16,15 +16,8 @@ cargo build -q --release -p arbor -p arbor-testkit -p arbor-bench
 BIN=$TARGET_DIR/release
 RESULTS=$ROOT/bench/results
 mkdir -p "$RESULTS"
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-profile.XXXXXX")
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-
 source "$ROOT/bench/common.sh"
+open_work profile keep
 start_mock0
 start_arbor0 valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out" "$BIN/arbor"
 await_arbor 300 0.5

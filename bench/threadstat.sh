@@ -21,16 +21,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
 ARBOR_BIN=${1:-$BIN/arbor}
 RATE=${2:-500}
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-threadstat.XXXXXX")
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
 source "$ROOT/bench/common.sh"
+open_work threadstat
 start_mock0
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2

@@ -54,3 +54,15 @@ macro_rules! event_columns {
         "conversation_id, seq, turn_id, name, data, created_at"
     };
 }
+
+/// What a message insert does when the id exists in the conversation: the
+/// node is updated in place (its identity and place in the tree stay).
+macro_rules! node_upsert_conflict {
+    () => {
+        "ON CONFLICT (conversation_id, id) DO UPDATE SET \
+         content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
+         tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
+         tool_status = excluded.tool_status, model = excluded.model, \
+         provider = excluded.provider, status = excluded.status"
+    };
+}

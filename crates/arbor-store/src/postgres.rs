@@ -203,17 +203,31 @@ const START_TURN: &str = concat!(
 const NODE_UPSERT: &str = concat!(
     "INSERT INTO messages (",
     node_columns!(),
-    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
-     ON CONFLICT (conversation_id, id) DO UPDATE SET \
-     content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
-     tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
-     tool_status = excluded.tool_status, model = excluded.model, \
-     provider = excluded.provider, status = excluded.status"
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) ",
+    node_upsert_conflict!()
 );
 
 async fn insert_nodes(tx: &mut Transaction<'static, Postgres>, nodes: &[Node]) -> StoreResult<()> {
     NodeArrays::new(nodes)?.bind(sqlx::query(NODES_INSERT)).execute(&mut **tx).await?;
     Ok(())
+}
+
+/// Inserts a batch of one conversation's nodes and moves its head to the
+/// last of them, inside the caller's transaction; returns the new head
+/// version.
+async fn append_on(tx: &mut Transaction<'static, Postgres>, nodes: &[Node], updated_at: Millis) -> StoreResult<i64> {
+    let (conversation_id, last_id) = codec::batch_target(nodes)?;
+    insert_nodes(tx, nodes).await?;
+    let version: Option<i64> = sqlx::query_scalar(
+        "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
+         updated_at = $2 WHERE id = $3 RETURNING head_version",
+    )
+    .bind(last_id)
+    .bind(updated_at)
+    .bind(conversation_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    version.ok_or(StoreError::NotFound)
 }
 
 /// A batch of nodes as column-wise arrays, one per parameter of an
@@ -304,6 +318,30 @@ impl<'a> NodeArrays<'a> {
 /// A query with PostgreSQL's arguments, for the helpers that bind a row.
 type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
 
+/// Binds a call's eighteen columns, in `api_call_columns!` order, as the
+/// next parameters.
+fn bind_call<'q>(query: PgQuery<'q>, call: &'q ApiCall) -> PgQuery<'q> {
+    query
+        .bind(&call.id)
+        .bind(&call.turn_id)
+        .bind(&call.conversation_id)
+        .bind(&call.user_id)
+        .bind(&call.kind)
+        .bind(&call.provider)
+        .bind(&call.model)
+        .bind(to_i64(call.usage.input_tokens))
+        .bind(to_i64(call.usage.output_tokens))
+        .bind(to_i64(call.usage.thinking_tokens))
+        .bind(to_i64(call.usage.cached_tokens))
+        .bind(to_i64(call.usage.cache_write_tokens))
+        .bind(to_i64(call.latency_ms))
+        .bind(call.ttft_ms.map(to_i64))
+        .bind(&call.status)
+        .bind(&call.error_code)
+        .bind(to_i64(call.cost_micro_usd))
+        .bind(call.created_at)
+}
+
 async fn upsert_node(tx: &mut Transaction<'static, Postgres>, node: &Node) -> StoreResult<()> {
     let columns = NodeColumns::new(node)?;
     sqlx::query(NODE_UPSERT)
@@ -338,30 +376,15 @@ async fn charge_call(
     if let Some(node) = message {
         upsert_node(tx, node).await?;
     }
-    sqlx::query(concat!(
-        "INSERT INTO api_calls (",
-        api_call_columns!(),
-        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
-         $17, $18)"
-    ))
-    .bind(&call.id)
-    .bind(&call.turn_id)
-    .bind(&call.conversation_id)
-    .bind(&call.user_id)
-    .bind(&call.kind)
-    .bind(&call.provider)
-    .bind(&call.model)
-    .bind(to_i64(call.usage.input_tokens))
-    .bind(to_i64(call.usage.output_tokens))
-    .bind(to_i64(call.usage.thinking_tokens))
-    .bind(to_i64(call.usage.cached_tokens))
-    .bind(to_i64(call.usage.cache_write_tokens))
-    .bind(to_i64(call.latency_ms))
-    .bind(call.ttft_ms.map(to_i64))
-    .bind(&call.status)
-    .bind(&call.error_code)
-    .bind(to_i64(call.cost_micro_usd))
-    .bind(call.created_at)
+    bind_call(
+        sqlx::query(concat!(
+            "INSERT INTO api_calls (",
+            api_call_columns!(),
+            ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+             $17, $18)"
+        )),
+        call,
+    )
     .execute(&mut **tx)
     .await?;
     let credits = to_i64(call.cost_micro_usd);
@@ -377,16 +400,7 @@ async fn charge_call(
     .fetch_optional(&mut **tx)
     .await?;
     let balance_after = balance_after.ok_or(StoreError::NotFound)?;
-    let entry = LedgerEntry {
-        // One charge per call, so the call's id names its ledger row too
-        // and the store invents no id of its own.
-        id: call.id.clone(),
-        user_id: call.user_id.clone(),
-        api_call_id: call.id.clone(),
-        credits,
-        balance_after,
-        created_at: call.created_at,
-    };
+    let entry = LedgerEntry::for_call(call, balance_after);
     sqlx::query(concat!("INSERT INTO cost_ledger (", ledger_columns!(), ") VALUES ($1, $2, $3, $4, $5, $6)"))
         .bind(&entry.id)
         .bind(&entry.user_id)
@@ -499,41 +513,45 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// A row is changed at most once per statement in PostgreSQL, so the
 /// user's charge and the release of their reservation are one update; a
 /// reservation of another user (the engine makes none) is released apart.
-/// Parameters: $1 the reservation (or NULL); $2–$17 the reply's columns and
-/// $18 whether there is one; $19–$36 the call; $37 the time of the head
-/// move; $38–$54 the turn, as in [`update_turn_on`]. Returns whether the
+/// Parameters: $1 the reservation (or NULL); $2–$17 the reply as
+/// `NodeArrays` of one node, or of none; $18–$35 the call (`bind_call`);
+/// $36 the time of the head move; $37–$53 the turn (`bind_turn_update`).
+/// Returns whether the
 /// user was charged, their balance after, the new head version (with a
 /// reply) and whether the turn was found.
 const FINISH_TURN: &str = concat!(
     "WITH gone AS (DELETE FROM credit_reservations WHERE id = $1 RETURNING user_id, credits), \
      released AS (UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
-       FROM gone WHERE users.id = gone.user_id AND users.id <> $22 RETURNING 1), \
+       FROM gone WHERE users.id = gone.user_id AND users.id <> $21 RETURNING 1), \
      reply AS (INSERT INTO messages (",
     node_columns!(),
-    ") SELECT $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17 WHERE $18 \
-       ON CONFLICT (conversation_id, id) DO UPDATE SET \
-       content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
-       tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
-       tool_status = excluded.tool_status, model = excluded.model, \
-       provider = excluded.provider, status = excluded.status RETURNING 1), \
+    ") SELECT ",
+    node_columns!(),
+    " FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
+       $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], $14::text[], \
+       $15::text[], $16::text[], $17::bigint[]) AS batch (",
+    node_columns!(),
+    ") ",
+    node_upsert_conflict!(),
+    " RETURNING conversation_id, id), \
      call AS (INSERT INTO api_calls (",
     api_call_columns!(),
-    ") VALUES ($19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, $36) \
+    ") VALUES ($18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35) \
        RETURNING 1), \
-     charged AS (UPDATE users SET balance_credits = balance_credits - $35, \
+     charged AS (UPDATE users SET balance_credits = balance_credits - $34, \
        reserved_credits = GREATEST(users.reserved_credits \
          - COALESCE((SELECT sum(gone.credits) FROM gone WHERE gone.user_id = users.id), 0), 0) \
-       WHERE id = $22 RETURNING balance_credits), \
+       WHERE id = $21 RETURNING balance_credits), \
      entry AS (INSERT INTO cost_ledger (",
     ledger_columns!(),
-    ") SELECT $19, $22, $19, $35, balance_credits, $36 FROM charged RETURNING 1), \
-     head AS (UPDATE conversations SET head_id = $3, head_version = head_version + 1, updated_at = $37 \
-       WHERE id = $2 AND $18 RETURNING head_version), \
-     finished AS (UPDATE turns SET status = $38, model = $39, iterations = $40, input_tokens = $41, \
-       output_tokens = $42, thinking_tokens = $43, cached_tokens = $44, \
-       cache_write_tokens = $45, cost_micro_usd = $46, reply_message_id = $47, \
-       error_code = $48, error_message = $49, started_at = $50, finished_at = $51, \
-       pending_messages = $52 WHERE conversation_id = $53 AND id = $54 RETURNING 1) \
+    ") SELECT $18, $21, $18, $34, balance_credits, $35 FROM charged RETURNING 1), \
+     head AS (UPDATE conversations SET head_id = reply.id, head_version = head_version + 1, updated_at = $36 \
+       FROM reply WHERE conversations.id = reply.conversation_id RETURNING head_version), \
+     finished AS (UPDATE turns SET status = $37, model = $38, iterations = $39, input_tokens = $40, \
+       output_tokens = $41, thinking_tokens = $42, cached_tokens = $43, \
+       cache_write_tokens = $44, cost_micro_usd = $45, reply_message_id = $46, \
+       error_code = $47, error_message = $48, started_at = $49, finished_at = $50, \
+       pending_messages = $51 WHERE conversation_id = $52 AND id = $53 RETURNING 1) \
      SELECT (SELECT count(*) FROM charged), (SELECT balance_credits FROM charged), \
        (SELECT head_version FROM head), (SELECT count(*) FROM finished)"
 );
@@ -561,11 +579,19 @@ where
 /// Binds a turn's twenty columns, in `turn_columns!` order, as the next
 /// parameters.
 fn bind_turn<'q>(query: PgQuery<'q>, turn: &'q Turn) -> PgQuery<'q> {
+    let query = query.bind(&turn.id).bind(&turn.conversation_id).bind(&turn.user_id).bind(&turn.user_message_id);
+    bind_turn_outcome(query, turn)
+        .bind(turn.created_at)
+        .bind(turn.started_at)
+        .bind(turn.finished_at)
+        .bind(codec::pending_json(turn))
+}
+
+/// Binds a turn's status, model, iterations, usage, cost, reply and error:
+/// the twelve columns from `status` to `error_message` that an insert and
+/// an update of a turn write in the same order.
+fn bind_turn_outcome<'q>(query: PgQuery<'q>, turn: &'q Turn) -> PgQuery<'q> {
     query
-        .bind(&turn.id)
-        .bind(&turn.conversation_id)
-        .bind(&turn.user_id)
-        .bind(&turn.user_message_id)
         .bind(turn.status.as_str())
         .bind(&turn.model)
         .bind(i64::from(turn.iterations))
@@ -578,10 +604,17 @@ fn bind_turn<'q>(query: PgQuery<'q>, turn: &'q Turn) -> PgQuery<'q> {
         .bind(&turn.reply_message_id)
         .bind(&turn.error_code)
         .bind(&turn.error_message)
-        .bind(turn.created_at)
+}
+
+/// Binds what a turn's update writes (status, totals, error, times,
+/// pending messages), then its conversation and id: seventeen parameters.
+fn bind_turn_update<'q>(query: PgQuery<'q>, turn: &'q Turn) -> PgQuery<'q> {
+    bind_turn_outcome(query, turn)
         .bind(turn.started_at)
         .bind(turn.finished_at)
         .bind(codec::pending_json(turn))
+        .bind(&turn.conversation_id)
+        .bind(&turn.id)
 }
 
 /// Writes a turn's status, totals, error and times with `executor` (the
@@ -590,30 +623,16 @@ async fn update_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
 where
     E: sqlx::Executor<'e, Database = Postgres>,
 {
-    let result = sqlx::query(
-        "UPDATE turns SET status = $1, model = $2, iterations = $3, input_tokens = $4, \
+    let result = bind_turn_update(
+        sqlx::query(
+            "UPDATE turns SET status = $1, model = $2, iterations = $3, input_tokens = $4, \
              output_tokens = $5, thinking_tokens = $6, cached_tokens = $7, \
              cache_write_tokens = $8, cost_micro_usd = $9, reply_message_id = $10, \
              error_code = $11, error_message = $12, started_at = $13, finished_at = $14, \
              pending_messages = $15 WHERE conversation_id = $16 AND id = $17",
+        ),
+        turn,
     )
-    .bind(turn.status.as_str())
-    .bind(&turn.model)
-    .bind(i64::from(turn.iterations))
-    .bind(to_i64(turn.usage.input_tokens))
-    .bind(to_i64(turn.usage.output_tokens))
-    .bind(to_i64(turn.usage.thinking_tokens))
-    .bind(to_i64(turn.usage.cached_tokens))
-    .bind(to_i64(turn.usage.cache_write_tokens))
-    .bind(to_i64(turn.cost_micro_usd))
-    .bind(&turn.reply_message_id)
-    .bind(&turn.error_code)
-    .bind(&turn.error_message)
-    .bind(turn.started_at)
-    .bind(turn.finished_at)
-    .bind(codec::pending_json(turn))
-    .bind(&turn.conversation_id)
-    .bind(&turn.id)
     .execute(executor)
     .await
     .map_err(codec::running_turn_conflict)?;
@@ -848,19 +867,8 @@ impl Store for PostgresStore {
     }
 
     async fn append_messages(&self, nodes: &[Node], updated_at: Millis) -> StoreResult<i64> {
-        let (conversation_id, last_id) = codec::batch_target(nodes)?;
         let mut tx = self.begin().await?;
-        insert_nodes(&mut tx, nodes).await?;
-        let version: Option<i64> = sqlx::query_scalar(
-            "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
-             updated_at = $2 WHERE id = $3 RETURNING head_version",
-        )
-        .bind(last_id)
-        .bind(updated_at)
-        .bind(conversation_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let version = version.ok_or(StoreError::NotFound)?;
+        let version = append_on(&mut tx, nodes, updated_at).await?;
         tx.commit().await?;
         Ok(version)
     }
@@ -953,18 +961,7 @@ impl Store for PostgresStore {
                     .await?;
                 version.ok_or(StoreError::NotFound)?
             } else {
-                let (conversation_id, last_id) = codec::batch_target(nodes)?;
-                insert_nodes(&mut tx, nodes).await?;
-                let version: Option<i64> = sqlx::query_scalar(
-                    "UPDATE conversations SET head_id = $1, head_version = head_version + 1, \
-                     updated_at = $2 WHERE id = $3 RETURNING head_version",
-                )
-                .bind(last_id)
-                .bind(updated_at)
-                .bind(conversation_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-                version.ok_or(StoreError::NotFound)?
+                append_on(&mut tx, nodes, updated_at).await?
             }
         };
         // Last, after the statements that can conflict with a finishing
@@ -1023,82 +1020,19 @@ impl Store for PostgresStore {
         // One statement instead of six (and BEGIN/COMMIT around it): each
         // was a round trip to the database while the turn's `done` waited.
         let mut tx = self.begin().await?;
-        let reply_columns = reply.map(NodeColumns::new).transpose()?;
-        let node = |field: fn(&Node) -> Option<&str>| reply.and_then(field);
-        let (charged, balance_after, head_version, finished) =
-            sqlx::query_as::<_, (i64, Option<i64>, Option<i64>, i64)>(FINISH_TURN)
-                .bind(reservation_id)
-                .bind(node(|n| Some(&n.conversation_id)))
-                .bind(node(|n| Some(&n.id)))
-                .bind(node(|n| n.parent_id.as_deref()))
-                .bind(node(|n| Some(n.message.role.as_str())))
-                .bind(node(|n| n.message.content.as_deref()))
-                .bind(reply_columns.as_ref().and_then(|columns| columns.parts.clone()))
-                .bind(reply_columns.as_ref().and_then(|columns| columns.tool_calls.clone()))
-                .bind(node(|n| n.message.tool_call_id.as_deref()))
-                .bind(node(|n| n.message.tool_name.as_deref()))
-                .bind(reply_columns.as_ref().and_then(|columns| columns.tool_status))
-                .bind(node(|n| n.model.as_deref()))
-                .bind(node(|n| n.provider.as_deref()))
-                .bind(node(|n| n.turn_id.as_deref()))
-                .bind(node(|n| n.copied_from.as_deref()))
-                .bind(node(|n| Some(n.status.as_str())))
-                .bind(reply.map(|n| n.created_at))
-                .bind(reply.is_some())
-                .bind(&call.id)
-                .bind(&call.turn_id)
-                .bind(&call.conversation_id)
-                .bind(&call.user_id)
-                .bind(&call.kind)
-                .bind(&call.provider)
-                .bind(&call.model)
-                .bind(to_i64(call.usage.input_tokens))
-                .bind(to_i64(call.usage.output_tokens))
-                .bind(to_i64(call.usage.thinking_tokens))
-                .bind(to_i64(call.usage.cached_tokens))
-                .bind(to_i64(call.usage.cache_write_tokens))
-                .bind(to_i64(call.latency_ms))
-                .bind(call.ttft_ms.map(to_i64))
-                .bind(&call.status)
-                .bind(&call.error_code)
-                .bind(to_i64(call.cost_micro_usd))
-                .bind(call.created_at)
-                .bind(updated_at)
-                .bind(turn.status.as_str())
-                .bind(&turn.model)
-                .bind(i64::from(turn.iterations))
-                .bind(to_i64(turn.usage.input_tokens))
-                .bind(to_i64(turn.usage.output_tokens))
-                .bind(to_i64(turn.usage.thinking_tokens))
-                .bind(to_i64(turn.usage.cached_tokens))
-                .bind(to_i64(turn.usage.cache_write_tokens))
-                .bind(to_i64(turn.cost_micro_usd))
-                .bind(&turn.reply_message_id)
-                .bind(&turn.error_code)
-                .bind(&turn.error_message)
-                .bind(turn.started_at)
-                .bind(turn.finished_at)
-                .bind(codec::pending_json(turn))
-                .bind(&turn.conversation_id)
-                .bind(&turn.id)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(codec::running_turn_conflict)?;
+        let replies = reply.map_or(&[][..], std::slice::from_ref);
+        let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN).bind(reservation_id));
+        let query = bind_call(query, call).bind(updated_at);
+        let row = bind_turn_update(query, turn).fetch_one(&mut *tx).await.map_err(codec::running_turn_conflict)?;
+        let (charged, balance_after, head_version, finished): (i64, Option<i64>, Option<i64>, i64) =
+            (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?, row.try_get(3)?);
         // The user, the reply's conversation or the turn is gone: nothing
         // is kept (the transaction rolls back when dropped).
-        if charged == 0 || finished == 0 || (reply.is_some() && head_version.is_none()) {
+        if charged == 0 || finished == 0 || (!replies.is_empty() && head_version.is_none()) {
             return Err(StoreError::NotFound);
         }
         tx.commit().await?;
-        let entry = LedgerEntry {
-            id: call.id.clone(),
-            user_id: call.user_id.clone(),
-            api_call_id: call.id.clone(),
-            credits: to_i64(call.cost_micro_usd),
-            balance_after,
-            created_at: call.created_at,
-        };
-        Ok((entry, head_version))
+        Ok((LedgerEntry::for_call(call, balance_after), head_version))
     }
 
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {

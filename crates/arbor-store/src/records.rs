@@ -158,6 +158,21 @@ pub struct LedgerEntry {
     pub created_at: Millis,
 }
 
+impl LedgerEntry {
+    /// The charge for `call`. One charge per call, so the call's id names
+    /// its ledger row too and the store invents no id of its own.
+    pub(crate) fn for_call(call: &ApiCall, balance_after: Option<i64>) -> LedgerEntry {
+        LedgerEntry {
+            id: call.id.clone(),
+            user_id: call.user_id.clone(),
+            api_call_id: call.id.clone(),
+            credits: crate::codec::to_i64(call.cost_micro_usd),
+            balance_after,
+            created_at: call.created_at,
+        }
+    }
+}
+
 /// Credits held for a model call before it is made, so that concurrent
 /// turns of one user (on any node) can never spend past the balance: a
 /// reservation succeeds only while `balance - reserved` covers it.

@@ -16,7 +16,7 @@
 mod worker;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use arbor_core::ids::Millis;
@@ -153,10 +153,9 @@ pub struct SqliteStore {
     /// [`PointReaders`]; `None` for an in-memory database).
     point: Option<Arc<PointReaders>>,
     /// Notices stay in this process: a SQLite database serves one node.
+    /// (The WAL checkpointing thread stops when the writer does, once the
+    /// last clone of the store is gone.)
     notices: broadcast::Sender<Notice>,
-    /// Keeps the WAL checkpointing thread running while any clone of the
-    /// store lives (it holds only a weak reference).
-    _alive: Arc<()>,
 }
 
 impl SqliteStore {
@@ -181,7 +180,6 @@ impl SqliteStore {
                     reader: None,
                     point: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
-                    _alive: Arc::new(()),
                 })
             }
             Location::File(path, durability) => Self::open_file(path, durability, WAL_RESTART_PAGES).await,
@@ -213,27 +211,22 @@ impl SqliteStore {
             Ok((writer, open_readers()?, open_readers()?, open_connection(&path)?))
         })
         .await?;
-        let alive = Arc::new(());
-        let watched = Arc::downgrade(&alive);
         let wal_length = WalLength::default();
         let watched_length = wal_length.clone();
+        // The writer first: the checkpointing thread stops when it closes
+        // the WAL length, so it must not outlive a writer that never ran.
+        let writer =
+            Writer::start("arbor-sqlite-writer", writer, Some(wal_limit), wal_length, durability == Durability::Full)
+                .map_err(thread_error)?;
         std::thread::Builder::new()
             .name("arbor-sqlite-checkpoint".into())
-            .spawn(move || checkpoint_wal(&checkpointer, &watched, &watched_length, wal_limit))
+            .spawn(move || checkpoint_wal(&checkpointer, &watched_length, wal_limit))
             .map_err(thread_error)?;
         Ok(SqliteStore {
-            writer: Writer::start(
-                "arbor-sqlite-writer",
-                writer,
-                Some(wal_limit),
-                wal_length,
-                durability == Durability::Full,
-            )
-            .map_err(thread_error)?,
+            writer,
             reader: Some(Readers::start("arbor-sqlite-reader", reader_connections).map_err(thread_error)?),
             point: Some(Arc::new(PointReaders::new(point_connections))),
             notices: broadcast::channel(NOTICE_BUFFER).0,
-            _alive: alive,
         })
     }
 
@@ -407,15 +400,16 @@ const CHECKPOINT_POLL: Duration = Duration::from_millis(10);
 /// idle database's file is up to date.
 const CHECKPOINT_IDLE: Duration = Duration::from_secs(2);
 
-/// Checkpoints the WAL until the store is gone. PASSIVE copies what no
-/// reader still needs and never waits for a lock. The WAL starts over only
-/// from the writer (see [`worker`]), which then has little left to copy.
+/// Checkpoints the WAL until the writer stops (the last clone of the store
+/// is gone). PASSIVE copies what no reader still needs and never waits for
+/// a lock. The WAL starts over only from the writer (see [`worker`]), which
+/// then has little left to copy.
 ///
 /// While commits come it looks every [`CHECKPOINT_POLL`]; once a look finds
 /// nothing new it sleeps until the writer changes the WAL, or until what
 /// is left is due after [`CHECKPOINT_IDLE`]. An idle store's thread so
 /// wakes not at all, where it used to wake 100 times a second.
-fn checkpoint_wal(connection: &Connection, alive: &Weak<()>, wal: &WalLength, wal_limit: std::ffi::c_int) {
+fn checkpoint_wal(connection: &Connection, wal: &WalLength, wal_limit: std::ffi::c_int) {
     // Frames of the current WAL known to be copied; the length last seen and
     // when it last changed; frames written in the current window, and
     // whether the last window's writes were fast.
@@ -427,7 +421,7 @@ fn checkpoint_wal(connection: &Connection, alive: &Weak<()>, wal: &WalLength, wa
             Pause::Poll => std::thread::sleep(CHECKPOINT_POLL),
             Pause::UntilWritten(timeout) => wal.wait_for_change(seen, timeout),
         }
-        if alive.strong_count() == 0 || wal.is_closed() {
+        if wal.is_closed() {
             break;
         }
         let frames = wal.frames();
@@ -481,12 +475,8 @@ const NODE_INSERT: &str =
 const NODE_UPSERT: &str = concat!(
     "INSERT INTO messages (",
     node_columns!(),
-    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
-     ON CONFLICT (conversation_id, id) DO UPDATE SET \
-     content = excluded.content, parts = excluded.parts, tool_calls = excluded.tool_calls, \
-     tool_call_id = excluded.tool_call_id, tool_name = excluded.tool_name, \
-     tool_status = excluded.tool_status, model = excluded.model, \
-     provider = excluded.provider, status = excluded.status"
+    ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ",
+    node_upsert_conflict!()
 );
 
 fn insert_node(connection: &Connection, statement: &'static str, node: &Node) -> StoreResult<()> {
@@ -628,16 +618,7 @@ fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) 
         .query_row(params![credits, call.user_id], |row| row.get(0))
         .optional()?;
     let balance_after = balance_after.ok_or(StoreError::NotFound)?;
-    let entry = LedgerEntry {
-        // One charge per call, so the call's id names its ledger row too
-        // and the store invents no id of its own.
-        id: call.id.clone(),
-        user_id: call.user_id.clone(),
-        api_call_id: call.id.clone(),
-        credits,
-        balance_after,
-        created_at: call.created_at,
-    };
+    let entry = LedgerEntry::for_call(call, balance_after);
     connection
         .prepare_cached(concat!("INSERT INTO cost_ledger (", ledger_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))?
         .execute(params![

@@ -537,6 +537,25 @@ mod tests {
         assert!(wal.is_closed());
     }
 
+    /// Keeps the writer busy for `time` with a write of its own (one
+    /// commit), so that writes sent meanwhile queue up; returns after
+    /// giving the writer 20 ms to take it.
+    async fn hold(writer: &Writer, time: Duration) -> tokio::task::JoinHandle<StoreResult<()>> {
+        let busy = tokio::spawn({
+            let writer = writer.clone();
+            async move {
+                writer
+                    .write(move |_| {
+                        std::thread::sleep(time);
+                        Ok(())
+                    })
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        busy
+    }
+
     /// A writer on a fresh in-memory database with one table, and a count
     /// of the commits it makes.
     fn writer() -> (Writer, Arc<AtomicUsize>) {
@@ -591,18 +610,7 @@ mod tests {
 
         // With a write someone waits on beside it, both go in one commit. (A
         // busy writer lets both queue first, however slow this machine is.)
-        let busy = tokio::spawn({
-            let writer = writer.clone();
-            async move {
-                writer
-                    .write(|_| {
-                        std::thread::sleep(Duration::from_millis(300));
-                        Ok(())
-                    })
-                    .await
-            }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let busy = hold(&writer, Duration::from_millis(300)).await;
         let deferred = tokio::spawn({
             let writer = writer.clone();
             async move { writer.write_deferred(insert(2)).await }
@@ -621,18 +629,7 @@ mod tests {
     async fn in_a_group_a_failed_write_is_undone_alone_whether_first_or_later() {
         let (writer, commits) = writer();
         // Hold the writer so the next writes queue up and go as one group.
-        let busy = tokio::spawn({
-            let writer = writer.clone();
-            async move {
-                writer
-                    .write(|_| {
-                        std::thread::sleep(Duration::from_millis(100));
-                        Ok(())
-                    })
-                    .await
-            }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let busy = hold(&writer, Duration::from_millis(100)).await;
         let failing = |value: i64| {
             move |connection: &Connection| -> StoreResult<usize> {
                 connection.execute("INSERT INTO t VALUES (?)", [value])?;
