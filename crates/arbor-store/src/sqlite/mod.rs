@@ -58,6 +58,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "turn pending messages", include_str!("../../migrations/sqlite/0002_turn_pending_messages.sql")),
     (3, "lighter turn writes", include_str!("../../migrations/sqlite/0003_lighter_turn_writes.sql")),
     (4, "ledger index ascending", include_str!("../../migrations/sqlite/0004_ledger_index_ascending.sql")),
+    (5, "events in arrival order", include_str!("../../migrations/sqlite/0005_events_in_arrival_order.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -1790,7 +1791,7 @@ mod tests {
             })
             .await
             .expect("plans");
-        assert_eq!(plan, ["SEARCH events USING PRIMARY KEY (conversation_id=? AND seq>?)"]);
+        assert_eq!(plan, ["SEARCH events USING INDEX events_by_conversation (conversation_id=? AND seq>?)"]);
 
         // The rebuilt table still refuses a parent that is not there, and
         // foreign keys are back on for every connection.
