@@ -59,6 +59,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "lighter turn writes", include_str!("../../migrations/sqlite/0003_lighter_turn_writes.sql")),
     (4, "ledger index ascending", include_str!("../../migrations/sqlite/0004_ledger_index_ascending.sql")),
     (5, "events in arrival order", include_str!("../../migrations/sqlite/0005_events_in_arrival_order.sql")),
+    (6, "turns, calls and charges by key", include_str!("../../migrations/sqlite/0006_turns_calls_charges_by_key.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -1755,6 +1756,16 @@ mod tests {
             .await
             .expect("reads");
         assert!(!schema.contains("AUTOINCREMENT"), "{schema}");
+        // Turns, calls and charges are each one b-tree, in key order.
+        let keyed: Vec<String> = store
+            .read(|c| {
+                let sql = "SELECT name FROM sqlite_master WHERE type = 'table' AND sql LIKE '%WITHOUT ROWID' \
+                           AND name IN ('turns', 'api_calls', 'cost_ledger') ORDER BY name";
+                Ok(c.prepare(sql)?.query_map([], |row| row.get(0))?.collect::<Result<_, _>>()?)
+            })
+            .await
+            .expect("reads");
+        assert_eq!(keyed, ["api_calls", "cost_ledger", "turns"]);
 
         // Turns, calls and charges are all there; the statement still reads
         // newest first, through the index without a sort.
