@@ -11,6 +11,7 @@ mod hub;
 pub mod keys;
 pub mod metrics;
 pub mod models;
+mod payloads;
 pub mod stream;
 mod submit;
 mod turn;

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::hub::{Hub, QueuedTurn, RunningTurn, Slot};
 use crate::models::ResolvedModel;
+use crate::payloads::{self, MessageNew};
 use crate::stream::{self, Until};
 use crate::turn::{Hold, TurnTask, reservation_for};
 use crate::{Engine, EngineError, EngineResult, Inner, TurnHandle, validate_message_id, validate_text};
@@ -395,7 +396,7 @@ impl Inner {
         })?;
         hub.advance_tree(conversation.head_version, head_version, nodes);
         for node in nodes {
-            hub.emit(turn_id, EventName::MessageNew, &json!({ "message": node, "head_version": head_version }));
+            hub.emit(turn_id, EventName::MessageNew, &MessageNew { head_version: Some(head_version), message: node });
         }
         Ok(head_version)
     }
@@ -573,10 +574,19 @@ impl Inner {
         hub.emit(
             Some(&turn_id),
             EventName::TurnStarted,
-            &json!({"turn_id": &*turn_id, "message_id": turn.user_message_id, "model": model.info.id, "head_version": head_version}),
+            &payloads::TurnStarted {
+                head_version,
+                message_id: &turn.user_message_id,
+                model: &model.info.id,
+                turn_id: &turn_id,
+            },
         );
         for node in &nodes {
-            hub.emit(Some(&turn_id), EventName::MessageNew, &json!({ "message": node, "head_version": head_version }));
+            hub.emit(
+                Some(&turn_id),
+                EventName::MessageNew,
+                &MessageNew { head_version: Some(head_version), message: node },
+            );
         }
         let deadline = std::time::Instant::now() + self.config.limits.turn_timeout;
         let head_id = nodes.last().map(|node| node.id.clone()).or(conversation.head_id.clone());

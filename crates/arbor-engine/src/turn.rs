@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::Inner;
 use crate::hub::{Hub, QueuedTurn};
 use crate::models::ResolvedModel;
+use crate::payloads::{CallEnded, CallStarted, MessageNew};
 
 /// The longest reply a limited user's call may ask for, so the credits held
 /// for it stay a sensible amount.
@@ -453,24 +454,28 @@ impl TurnTask {
         self.hub.emit(
             Some(&self.turn_id),
             EventName::TraceEnd,
-            &json!({
-                "id": self.llm_trace_id,
-                "type": "llm_request",
-                "model": self.model.info.id,
-                "provider": self.model.info.provider,
-                "status": status,
-                "input_tokens": result.usage.input_tokens,
-                "output_tokens": result.usage.output_tokens,
-                "thinking_tokens": result.usage.thinking_tokens,
-                "cached_tokens": result.usage.cached_tokens,
-                "latency_ms": result.latency_ms,
-                "ttft_ms": result.ttft_ms,
-                "cost_credits": cost.credits(),
-                "cost_cents_usd": cost.cents_usd(),
-            }),
+            &CallEnded {
+                cached_tokens: result.usage.cached_tokens,
+                cost_cents_usd: cost.cents_usd(),
+                cost_credits: cost.credits(),
+                id: &self.llm_trace_id,
+                input_tokens: result.usage.input_tokens,
+                latency_ms: result.latency_ms,
+                model: &self.model.info.id,
+                output_tokens: result.usage.output_tokens,
+                provider: &self.model.info.provider,
+                status,
+                thinking_tokens: result.usage.thinking_tokens,
+                ttft_ms: result.ttft_ms,
+                kind: "llm_request",
+            },
         );
         if let Some(reply) = &reply {
-            self.hub.emit(Some(&self.turn_id), EventName::MessageNew, &json!({ "message": reply }));
+            self.hub.emit(
+                Some(&self.turn_id),
+                EventName::MessageNew,
+                &MessageNew { head_version: None, message: reply },
+            );
         }
         if let Some((turn_status, code, message)) = ending
             && turn_status == TurnStatus::Failed
@@ -493,13 +498,13 @@ impl TurnTask {
         self.hub.emit(
             Some(&self.turn_id),
             EventName::TraceStart,
-            &json!({
-                "id": self.llm_trace_id,
-                "type": "llm_request",
-                "model": self.model.info.id,
-                "provider": self.model.info.provider,
-                "iteration": self.turn.iterations + 1,
-            }),
+            &CallStarted {
+                id: &self.llm_trace_id,
+                iteration: self.turn.iterations + 1,
+                model: &self.model.info.id,
+                provider: &self.model.info.provider,
+                kind: "llm_request",
+            },
         );
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(self.deadline);
