@@ -79,16 +79,21 @@ impl std::fmt::Debug for AnthropicConfig {
 pub struct AnthropicProvider {
     config: AnthropicConfig,
     client: reqwest::Client,
+    /// `{base_url}/v1/messages`, parsed once rather than on every request.
+    url: reqwest::Url,
 }
 
 impl AnthropicProvider {
     pub fn new(config: AnthropicConfig) -> Result<AnthropicProvider, ProviderError> {
         let client = crate::http::build_client(&config.timeouts)?;
-        Ok(AnthropicProvider { config, client })
-    }
-
-    fn url(&self) -> String {
-        format!("{}/v1/messages", self.config.base_url.trim_end_matches('/'))
+        let base_url = config.base_url.trim().trim_end_matches('/');
+        let url = reqwest::Url::parse(&format!("{base_url}/v1/messages")).map_err(|error| {
+            ProviderError::new(
+                ErrorCode::InvalidRequest,
+                format!("anthropic base_url {base_url:?} is not a valid URL: {error}"),
+            )
+        })?;
+        Ok(AnthropicProvider { config, client, url })
     }
 
     /// Sends the request and returns the response if its status is a
@@ -96,7 +101,7 @@ impl AnthropicProvider {
     async fn send(&self, body: Vec<u8>) -> Result<reqwest::Response, ProviderError> {
         let mut request = self
             .client
-            .post(self.url())
+            .post(self.url.clone())
             .header("anthropic-version", &self.config.version)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(body);
@@ -822,6 +827,18 @@ mod tests {
     use super::*;
     use arbor_core::ToolCall;
     use serde_json::json;
+
+    #[test]
+    fn a_base_url_that_is_not_a_url_is_refused_when_the_provider_is_made() {
+        let made = |base_url: &str| {
+            AnthropicProvider::new(AnthropicConfig { base_url: base_url.into(), ..Default::default() })
+        };
+        let error = made("not a url").expect_err("refused");
+        assert_eq!(error.code, ErrorCode::InvalidRequest);
+        assert!(error.message.contains("not a url"), "{}", error.message);
+        let provider = made("http://127.0.0.1:9/ ").expect("a URL");
+        assert_eq!(provider.url.as_str(), "http://127.0.0.1:9/v1/messages");
+    }
 
     #[test]
     fn data_urls_split_into_type_and_base64() {

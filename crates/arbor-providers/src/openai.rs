@@ -94,7 +94,7 @@ impl fmt::Debug for OpenAiConfig {
 #[derive(Clone)]
 pub struct OpenAiProvider {
     client: reqwest::Client,
-    url: String,
+    url: reqwest::Url,
     api_key: Option<String>,
     headers: HeaderMap,
     max_tokens_field: MaxTokensField,
@@ -145,9 +145,17 @@ impl OpenAiProvider {
             })?;
             headers.append(name, value);
         }
+        // Parsed once: a URL given as text is parsed again (IDNA and all)
+        // on every request.
+        let url = reqwest::Url::parse(&format!("{base_url}/chat/completions")).map_err(|error| {
+            ProviderError::new(
+                ErrorCode::InvalidRequest,
+                format!("openai base_url {base_url:?} is not a valid URL: {error}"),
+            )
+        })?;
         Ok(OpenAiProvider {
             client: http::build_client(&config.timeouts)?,
-            url: format!("{base_url}/chat/completions"),
+            url,
             api_key: config.api_key.filter(|key| !key.is_empty()),
             headers,
             max_tokens_field: config.max_tokens_field,
@@ -189,7 +197,7 @@ impl OpenAiProvider {
         let accept = if stream { "text/event-stream" } else { "application/json" };
         let mut builder = self
             .client
-            .post(&self.url)
+            .post(self.url.clone())
             .headers(self.headers.clone())
             .header(CONTENT_TYPE, "application/json")
             .header(ACCEPT, accept)
@@ -1084,7 +1092,7 @@ mod tests {
             ..OpenAiConfig::default()
         })
         .expect("valid");
-        assert_eq!(provider.url, "http://localhost:11434/v1/chat/completions");
+        assert_eq!(provider.url.as_str(), "http://localhost:11434/v1/chat/completions");
         let shown = format!("{provider:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(
