@@ -108,7 +108,9 @@ fn init_logging(level: Option<&str>) {
         None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
     };
     // Logs go to stderr so that stdout carries only what scripts read.
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colours only for a terminal: a log file or a collector gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
 fn load(common: &Common, listen: Option<String>) -> anyhow::Result<Config> {
