@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Latency of JSON turns at one rate for one build, without a profiler
+# attached: Arbor on core 0 (fresh SQLite database) against the 0 ms mock
+# on core 1, a 2 s warm-up, then one measured run of SECONDS. Prints the
+# load client's result line. Alternate two builds to compare them; on a
+# shared VM only runs made in the same minutes compare.
+#
+#   bench/abload.sh [ARBOR_BIN] [RATE] [SECONDS]    # defaults: the release build, 500, 15
+#
+# Needs a release build (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
+ARBOR_BIN=${1:-$BIN/arbor}
+RATE=${2:-500}
+SECONDS_MEASURED=${3:-15}
+source "$ROOT/bench/common.sh"
+open_work abload
+start_mock0
+start_arbor0 "$ARBOR_BIN"
+await_arbor 100 0.2
+taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
+  --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 2 --runs 1 --scenario abload >"$WORK/load.log" 2>&1
+grep -o 'run 1: .*' "$WORK/load.log"
