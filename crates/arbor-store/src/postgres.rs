@@ -156,43 +156,53 @@ impl PostgresStore {
     }
 }
 
-/// Inserts a batch of nodes in one statement. `WITH ORDINALITY … ORDER BY`
+/// The rows of a batch of nodes: the sixteen arrays of [`NodeArrays`],
+/// always bound first ($1–$16), one row per node.
+macro_rules! node_rows {
+    () => {
+        "UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+         $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], \
+         $14::text[], $15::text[], $16::bigint[])"
+    };
+}
+
+/// Inserts a batch of nodes ([`node_rows`]). `WITH ORDINALITY … ORDER BY`
 /// hands the rows to the insert in batch order, so `seq` (the creation
 /// order) follows the order the engine gave. Foreign keys are checked at
 /// the end of the statement, so a node may name an earlier one of the same
 /// batch as its parent.
-const NODES_INSERT: &str = concat!(
-    "INSERT INTO messages (",
-    node_columns!(),
-    ") SELECT ",
-    node_columns!(),
-    " FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
-     $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], \
-     $14::text[], $15::text[], $16::bigint[]) WITH ORDINALITY AS batch (",
-    node_columns!(),
-    ", position) ORDER BY position"
-);
+macro_rules! nodes_insert {
+    () => {
+        concat!(
+            "INSERT INTO messages (",
+            node_columns!(),
+            ") SELECT ",
+            node_columns!(),
+            " FROM ",
+            node_rows!(),
+            " WITH ORDINALITY AS batch (",
+            node_columns!(),
+            ", position) ORDER BY position"
+        )
+    };
+}
+
+const NODES_INSERT: &str = nodes_insert!();
 
 /// A new running turn, its messages and the head moved to the last of them,
 /// in one statement (the round trips of three were on the path of every
-/// turn's first token). Parameters: $1–$20 the turn (`bind_turn`), $21–$36
-/// the messages' arrays (`NodeArrays`), $37 the new head, $38 the time and
-/// $39 the conversation. Returns the new head version; no row when the
-/// conversation is gone.
+/// turn's first token). Parameters: $1–$16 the messages' arrays
+/// (`NodeArrays`), $17–$36 the turn (`bind_turn`), $37 the new head, $38 the
+/// time and $39 the conversation. Returns the new head version; no row
+/// when the conversation is gone.
 const START_TURN: &str = concat!(
     "WITH started AS (INSERT INTO turns (",
     turn_columns!(),
-    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20) \
-       RETURNING 1), \
-     added AS (INSERT INTO messages (",
-    node_columns!(),
-    ") SELECT ",
-    node_columns!(),
-    " FROM UNNEST($21::text[], $22::text[], $23::text[], $24::text[], $25::text[], $26::text[], \
-       $27::text[], $28::text[], $29::text[], $30::text[], $31::text[], $32::text[], $33::text[], \
-       $34::text[], $35::text[], $36::bigint[]) WITH ORDINALITY AS batch (",
-    node_columns!(),
-    ", position) ORDER BY position RETURNING 1), \
+    ") VALUES ($17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, \
+       $36) RETURNING 1), \
+     added AS (",
+    nodes_insert!(),
+    " RETURNING 1), \
      head AS (UPDATE conversations SET head_id = $37, head_version = head_version + 1, updated_at = $38 \
        WHERE id = $39 RETURNING head_version) \
      SELECT head_version FROM head"
@@ -231,7 +241,7 @@ async fn append_on(tx: &mut Transaction<'static, Postgres>, nodes: &[Node], upda
 }
 
 /// A batch of nodes as column-wise arrays, one per parameter of an
-/// `UNNEST` insert ([`NODES_INSERT`], [`START_TURN`]).
+/// `UNNEST` insert ([`node_rows`]: [`NODES_INSERT`], [`START_TURN`], [`FINISH_TURN`]).
 struct NodeArrays<'a> {
     conversation_ids: Vec<&'a str>,
     ids: Vec<&'a str>,
@@ -513,23 +523,23 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// A row is changed at most once per statement in PostgreSQL, so the
 /// user's charge and the release of their reservation are one update; a
 /// reservation of another user (the engine makes none) is released apart.
-/// Parameters: $1 the reservation (or NULL); $2–$17 the reply as
-/// `NodeArrays` of one node, or of none; $18–$35 the call (`bind_call`);
+/// Parameters: $1–$16 the reply as `NodeArrays` of one node, or of none;
+/// $17 the reservation (or NULL); $18–$35 the call (`bind_call`);
 /// $36 the time of the head move; $37–$53 the turn (`bind_turn_update`).
 /// Returns whether the
 /// user was charged, their balance after, the new head version (with a
 /// reply) and whether the turn was found.
 const FINISH_TURN: &str = concat!(
-    "WITH gone AS (DELETE FROM credit_reservations WHERE id = $1 RETURNING user_id, credits), \
+    "WITH gone AS (DELETE FROM credit_reservations WHERE id = $17 RETURNING user_id, credits), \
      released AS (UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
        FROM gone WHERE users.id = gone.user_id AND users.id <> $21 RETURNING 1), \
      reply AS (INSERT INTO messages (",
     node_columns!(),
     ") SELECT ",
     node_columns!(),
-    " FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
-       $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], $14::text[], \
-       $15::text[], $16::text[], $17::bigint[]) AS batch (",
+    " FROM ",
+    node_rows!(),
+    " AS batch (",
     node_columns!(),
     ") ",
     node_upsert_conflict!(),
@@ -938,7 +948,7 @@ impl Store for PostgresStore {
         let version = if !queued_row && !nodes.is_empty() {
             // The usual start: a new turn with the user's message.
             let (conversation_id, last_id) = codec::batch_target(nodes)?;
-            let query = NodeArrays::new(nodes)?.bind(bind_turn(sqlx::query(START_TURN), turn));
+            let query = bind_turn(NodeArrays::new(nodes)?.bind(sqlx::query(START_TURN)), turn);
             let row = query
                 .bind(last_id)
                 .bind(updated_at)
@@ -1021,7 +1031,7 @@ impl Store for PostgresStore {
         // was a round trip to the database while the turn's `done` waited.
         let mut tx = self.begin().await?;
         let replies = reply.map_or(&[][..], std::slice::from_ref);
-        let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN).bind(reservation_id));
+        let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN)).bind(reservation_id);
         let query = bind_call(query, call).bind(updated_at);
         let row = bind_turn_update(query, turn).fetch_one(&mut *tx).await.map_err(codec::running_turn_conflict)?;
         let (charged, balance_after, head_version, finished): (i64, Option<i64>, Option<i64>, i64) =
