@@ -28,6 +28,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../migrations/postgres/0001_initial.sql")),
     (2, "turn pending messages", include_str!("../migrations/postgres/0002_turn_pending_messages.sql")),
     (3, "lighter turn writes", include_str!("../migrations/postgres/0003_lighter_turn_writes.sql")),
+    (4, "running turns indexed once", include_str!("../migrations/postgres/0004_running_turns_indexed_once.sql")),
 ];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
@@ -997,13 +998,16 @@ impl Store for PostgresStore {
 
     async fn turns_with_status(&self, statuses: &[TurnStatus]) -> StoreResult<Vec<Turn>> {
         let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
-        // Live turns are found through the index of live turns, which the
-        // planner can use only when the query implies its condition.
+        // Live turns are found through the partial indexes of running and
+        // of queued turns, which the planner can use only when the query
+        // implies their conditions.
         let sql = if statuses.iter().all(|status| !status.is_finished()) {
             concat!(
                 "SELECT ",
                 turn_columns!(),
-                " FROM turns WHERE status = ANY($1) AND status IN ('queued', 'running') ORDER BY created_at, id"
+                " FROM turns WHERE status = 'running' AND 'running' = ANY($1) UNION ALL SELECT ",
+                turn_columns!(),
+                " FROM turns WHERE status = 'queued' AND 'queued' = ANY($1) ORDER BY created_at, id"
             )
         } else {
             concat!("SELECT ", turn_columns!(), " FROM turns WHERE status = ANY($1) ORDER BY created_at, id")
@@ -1250,8 +1254,7 @@ impl Store for PostgresStore {
         let rows = sqlx::query(concat!(
             "SELECT ",
             turn_columns!(),
-            " FROM turns WHERE status = 'running' AND status IN ('queued', 'running') \
-             AND lease_expires_at <= $1 ORDER BY created_at, id"
+            " FROM turns WHERE status = 'running' AND lease_expires_at <= $1 ORDER BY created_at, id"
         ))
         .bind(now)
         .fetch_all(&self.pool)
