@@ -61,6 +61,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (5, "events in arrival order", include_str!("../../migrations/sqlite/0005_events_in_arrival_order.sql")),
     (6, "turns, calls and charges by key", include_str!("../../migrations/sqlite/0006_turns_calls_charges_by_key.sql")),
     (7, "running turns indexed once", include_str!("../../migrations/sqlite/0007_running_turns_indexed_once.sql")),
+    (8, "ledger by user", include_str!("../../migrations/sqlite/0008_ledger_by_user.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -1774,7 +1775,7 @@ mod tests {
         assert_eq!(keyed, ["api_calls", "cost_ledger", "turns"]);
 
         // Turns, calls and charges are all there; the statement still reads
-        // newest first, through the index without a sort.
+        // newest first, in key order without a sort.
         let queued = store.turns_with_status(&[TurnStatus::Queued]).await.expect("reads");
         assert_eq!(queued.iter().map(|turn| turn.id.as_str()).collect::<Vec<_>>(), ["t-waiting"]);
         let calls = store.api_calls("t-done").await.expect("reads");
@@ -1789,7 +1790,7 @@ mod tests {
             })
             .await
             .expect("plans");
-        assert_eq!(plan, ["SEARCH cost_ledger USING INDEX cost_ledger_by_user (user_id=?)"], "no sort");
+        assert_eq!(plan, ["SEARCH cost_ledger USING PRIMARY KEY (user_id=?)"], "no sort");
 
         // The events replay in their numbering, from any number on; a
         // number already used is still refused.
