@@ -62,6 +62,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (6, "turns, calls and charges by key", include_str!("../../migrations/sqlite/0006_turns_calls_charges_by_key.sql")),
     (7, "running turns indexed once", include_str!("../../migrations/sqlite/0007_running_turns_indexed_once.sql")),
     (8, "ledger by user", include_str!("../../migrations/sqlite/0008_ledger_by_user.sql")),
+    (9, "checks without IN lists", include_str!("../../migrations/sqlite/0009_checks_without_in_lists.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -553,20 +554,26 @@ fn insert_events(connection: &Connection, events: &[Event]) -> StoreResult<()> {
 
 /// Sets a conversation's head to `head_id`, returning the new head version;
 /// `NotFound` when the conversation does not exist.
+///
+/// The hot writes here read back what they changed with a second statement
+/// rather than `RETURNING`: SQLite gathers a `RETURNING` statement's rows
+/// in a temporary b-tree made and dropped at every run, which costs more
+/// than looking the row up again inside the same transaction (nothing else
+/// writes between the two; there is one writer).
 fn advance_head(
     connection: &Connection,
     conversation_id: &str,
     head_id: Option<&str>,
     updated_at: Millis,
 ) -> StoreResult<i64> {
-    let version = connection
-        .prepare_cached(
-            "UPDATE conversations SET head_id = ?, head_version = head_version + 1, updated_at = ? \
-             WHERE id = ? RETURNING head_version",
-        )?
-        .query_row(params![head_id, updated_at, conversation_id], |row| row.get(0))
-        .optional()?;
-    version.ok_or(StoreError::NotFound)
+    changed_one(
+        connection
+            .prepare_cached(
+                "UPDATE conversations SET head_id = ?, head_version = head_version + 1, updated_at = ? WHERE id = ?",
+            )?
+            .execute(params![head_id, updated_at, conversation_id])?,
+    )?;
+    head_version(connection, conversation_id)
 }
 
 /// The head version of a conversation; `NotFound` when it does not exist.
@@ -612,16 +619,18 @@ fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) 
             call.created_at,
         ])?;
     let credits = to_i64(call.cost_micro_usd);
-    // The deduction is one statement, so it reads and writes the balance
-    // under the same lock: concurrent charges add up, none is lost. A
-    // NULL (unlimited) balance stays NULL.
-    let balance_after: Option<Option<i64>> = connection
-        .prepare_cached(
-            "UPDATE users SET balance_credits = balance_credits - ? WHERE id = ? RETURNING balance_credits",
-        )?
-        .query_row(params![credits, call.user_id], |row| row.get(0))
-        .optional()?;
-    let balance_after = balance_after.ok_or(StoreError::NotFound)?;
+    // The deduction reads and writes the balance in one statement, inside
+    // the writer's transaction: concurrent charges add up, none is lost. A
+    // NULL (unlimited) balance stays NULL. (Read back without `RETURNING`,
+    // see `advance_head`.)
+    changed_one(
+        connection
+            .prepare_cached("UPDATE users SET balance_credits = balance_credits - ? WHERE id = ?")?
+            .execute(params![credits, call.user_id])?,
+    )?;
+    let balance_after: Option<i64> = connection
+        .prepare_cached("SELECT balance_credits FROM users WHERE id = ?")?
+        .query_row([&call.user_id], |row| row.get(0))?;
     let entry = LedgerEntry::for_call(call, balance_after);
     connection
         .prepare_cached(concat!("INSERT INTO cost_ledger (", ledger_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))?
@@ -639,19 +648,18 @@ fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) 
 /// Holds a reservation's credits, inside the caller's transaction.
 fn reserve(connection: &Connection, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
     // The check and the hold are one statement, so no other
-    // reservation or charge can slip between them.
-    let held: Option<Option<i64>> = connection
+    // reservation or charge can slip between them. (Read back without
+    // `RETURNING`, see `advance_head`.)
+    let held = connection
         .prepare_cached(
             "UPDATE users SET reserved_credits = reserved_credits + ? \
-             WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?) \
-             RETURNING balance_credits - reserved_credits",
+             WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?)",
         )?
-        .query_row(params![reservation.credits, reservation.user_id, reservation.credits], |row| row.get(0))
-        .optional()?;
-    let Some(available_after) = held else {
-        let available = available_credits(connection, &reservation.user_id)?;
+        .execute(params![reservation.credits, reservation.user_id, reservation.credits])?;
+    let available = available_credits(connection, &reservation.user_id)?;
+    if held == 0 {
         return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
-    };
+    }
     connection
         .prepare_cached(
             "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
@@ -664,19 +672,22 @@ fn reserve(connection: &Connection, reservation: &Reservation) -> StoreResult<Re
             reservation.created_at,
             reservation.expires_at,
         ])?;
-    Ok(ReserveOutcome::Reserved { available_after })
+    Ok(ReserveOutcome::Reserved { available_after: available })
 }
 
 /// Gives a reservation's credits back, inside the caller's transaction.
 /// Returns whether the reservation still existed.
 fn release(connection: &Connection, reservation_id: &str) -> StoreResult<bool> {
+    // Read, then deleted (rather than `DELETE ... RETURNING`, see
+    // `advance_head`).
     let released: Option<(String, i64)> = connection
-        .prepare_cached("DELETE FROM credit_reservations WHERE id = ? RETURNING user_id, credits")?
+        .prepare_cached("SELECT user_id, credits FROM credit_reservations WHERE id = ?")?
         .query_row([reservation_id], |row| Ok((row.get(0)?, row.get(1)?)))
         .optional()?;
     let Some((user_id, credits)) = released else {
         return Ok(false);
     };
+    connection.prepare_cached("DELETE FROM credit_reservations WHERE id = ?")?.execute([reservation_id])?;
     connection
         .prepare_cached("UPDATE users SET reserved_credits = MAX(reserved_credits - ?, 0) WHERE id = ?")?
         .execute(params![credits, user_id])?;
