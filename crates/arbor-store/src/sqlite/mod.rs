@@ -16,7 +16,7 @@
 mod worker;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arbor_core::ids::Millis;
@@ -507,47 +507,30 @@ fn insert_node(connection: &Connection, statement: &'static str, node: &Node) ->
     Ok(())
 }
 
-/// Row counts of the multi-row event inserts, largest first. A batch is
-/// split greedily into these (27 events: 16 + 8 + 2 + 1), so a handful of
-/// fixed statements, each prepared once per connection, store any batch.
-const EVENT_INSERT_ROWS: [usize; 6] = [32, 16, 8, 4, 2, 1];
-
-/// `INSERT INTO events ... VALUES (...), (...)` with `rows` rows of bound
-/// parameters (at most 32 × 6 = 192, well under SQLite's limit).
-fn event_insert(rows: usize) -> &'static str {
-    static STATEMENTS: LazyLock<Vec<String>> = LazyLock::new(|| {
-        EVENT_INSERT_ROWS
-            .iter()
-            .map(|&rows| {
-                let values = vec!["(?, ?, ?, ?, ?, ?)"; rows].join(", ");
-                format!(concat!("INSERT INTO events (", event_columns!(), ") VALUES {}"), values)
-            })
-            .collect()
-    });
-    let index = EVENT_INSERT_ROWS.iter().position(|&size| size == rows).unwrap_or(EVENT_INSERT_ROWS.len() - 1);
-    &STATEMENTS[index]
-}
-
-/// Inserts events in a few multi-row statements rather than one statement
-/// per event: fewer statements to step through for a streamed turn's few
-/// dozen events.
+/// Inserts events one row per statement execution, the statement
+/// prepared once per connection.
+///
+/// Not one multi-row `INSERT ... VALUES (...), (...)`: SQLite runs a
+/// statement that writes several rows and may fail half-way in a
+/// statement transaction, copying every page it first touches into an
+/// in-memory journal (1 KiB chunks, a `malloc` each) so that it can undo
+/// the statement alone. Here that is never needed (a failed write is
+/// rolled back whole, by its transaction or savepoint), and for the
+/// handful of events a turn writes it cost more than the statements it
+/// saved: 1,117 k → 1,085 k instructions per JSON turn
+/// (`bench/profile.sh`), level at 1,000 turns/s.
 fn insert_events(connection: &Connection, events: &[Event]) -> StoreResult<()> {
-    let mut rest = events;
-    while !rest.is_empty() {
-        let rows = EVENT_INSERT_ROWS.iter().copied().find(|&size| size <= rest.len()).unwrap_or(1);
-        let (chunk, tail) = rest.split_at(rows);
-        let mut statement = connection.prepare_cached(event_insert(rows))?;
-        for (index, event) in chunk.iter().enumerate() {
-            let first = index * 6 + 1;
-            statement.raw_bind_parameter(first, &*event.conversation_id)?;
-            statement.raw_bind_parameter(first + 1, event.seq)?;
-            statement.raw_bind_parameter(first + 2, event.turn_id.as_deref())?;
-            statement.raw_bind_parameter(first + 3, event.name.as_str())?;
-            statement.raw_bind_parameter(first + 4, &*event.data)?;
-            statement.raw_bind_parameter(first + 5, event.created_at)?;
-        }
-        statement.raw_execute()?;
-        rest = tail;
+    let mut statement =
+        connection.prepare_cached(concat!("INSERT INTO events (", event_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)"))?;
+    for event in events {
+        statement.execute(params![
+            &*event.conversation_id,
+            event.seq,
+            event.turn_id.as_deref(),
+            event.name.as_str(),
+            &*event.data,
+            event.created_at,
+        ])?;
     }
     Ok(())
 }
@@ -1498,13 +1481,6 @@ mod tests {
         let store = SqliteStore::open(&url).await.expect("opens");
         let levels = on_every_connection(&store, "PRAGMA synchronous").await;
         assert!(levels.iter().all(|&level| level == 1), "{levels:?}");
-    }
-
-    #[test]
-    fn event_inserts_have_one_row_of_parameters_per_event() {
-        for rows in EVENT_INSERT_ROWS {
-            assert_eq!(event_insert(rows).matches('?').count(), rows * 6, "{rows} rows");
-        }
     }
 
     fn owner() -> User {
