@@ -160,6 +160,39 @@ macro_rules! row_source {
 
 row_source!(sqlx::postgres::PgRow, sqlx::Row::try_get);
 row_source!(rusqlite::Row<'_>, rusqlite::Row::get);
+row_source!(SqliteRow<'_, '_>, SqliteRow::get);
+
+/// A SQLite row whose columns are found by name cheaply.
+///
+/// rusqlite finds a column by name by asking SQLite for each column's name
+/// in turn (a call and a `strlen` each) and comparing it case-blind: ~1,300
+/// instructions a column read, ~11,000 to decode a conversation and many
+/// times that for a long conversation's nodes (`bench/profile.md`). The
+/// decoders read columns in the order the statements select them, so the
+/// column after the last one read is tried first, and only a miss falls
+/// back to rusqlite's search.
+pub(crate) struct SqliteRow<'a, 'r> {
+    row: &'a rusqlite::Row<'r>,
+    next: std::cell::Cell<usize>,
+}
+
+impl<'a, 'r> SqliteRow<'a, 'r> {
+    pub(crate) fn new(row: &'a rusqlite::Row<'r>) -> Self {
+        SqliteRow { row, next: std::cell::Cell::new(0) }
+    }
+
+    fn get<T: rusqlite::types::FromSql>(&self, column: &str) -> rusqlite::Result<T> {
+        let statement = self.row.as_ref();
+        let guess = self.next.get();
+        let index = if statement.column_name(guess).is_ok_and(|name| name == column) {
+            guess
+        } else {
+            statement.column_index(column)?
+        };
+        self.next.set(index + 1);
+        self.row.get(index)
+    }
+}
 
 macro_rules! decoders {
     ($($name:ident($row:ident) -> $out:ty $body:block)*) => {

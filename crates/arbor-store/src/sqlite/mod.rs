@@ -26,7 +26,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, ff
 use tokio::sync::broadcast;
 
 use self::worker::{PointReaders, Readers, WalLength, Writer};
-use crate::codec::{self, NodeColumns, to_i64};
+use crate::codec::{self, NodeColumns, SqliteRow, to_i64};
 use crate::*;
 
 /// How long a statement waits for another process's write lock before
@@ -740,11 +740,11 @@ fn query_one<T>(
     connection: &Connection,
     sql: &str,
     parameters: impl rusqlite::Params,
-    decode: impl Fn(&rusqlite::Row<'_>) -> StoreResult<T>,
+    decode: impl Fn(&SqliteRow<'_, '_>) -> StoreResult<T>,
 ) -> StoreResult<Option<T>> {
     let mut statement = connection.prepare_cached(sql)?;
     let mut rows = statement.query(parameters)?;
-    rows.next()?.map(decode).transpose()
+    rows.next()?.map(|row| decode(&SqliteRow::new(row))).transpose()
 }
 
 /// Every row a statement returns, decoded.
@@ -752,13 +752,13 @@ fn query_all<T>(
     connection: &Connection,
     sql: &str,
     parameters: impl rusqlite::Params,
-    decode: impl Fn(&rusqlite::Row<'_>) -> StoreResult<T>,
+    decode: impl Fn(&SqliteRow<'_, '_>) -> StoreResult<T>,
 ) -> StoreResult<Vec<T>> {
     let mut statement = connection.prepare_cached(sql)?;
     let mut rows = statement.query(parameters)?;
     let mut decoded = Vec::new();
     while let Some(row) = rows.next()? {
-        decoded.push(decode(row)?);
+        decoded.push(decode(&SqliteRow::new(row))?);
     }
     Ok(decoded)
 }
@@ -1821,6 +1821,24 @@ mod tests {
         assert!(store.events_after("c", 0, 10).await.expect("reads").is_empty(), "its events went with it");
         let turns_left = store.turns_with_status(&[TurnStatus::Queued]).await.expect("reads");
         assert!(turns_left.is_empty(), "its turns went with it");
+    }
+
+    #[test]
+    fn rows_are_read_by_name_in_any_order() {
+        use crate::codec::RowSource;
+        let connection = Connection::open_in_memory().expect("opens");
+        let mut statement = connection.prepare("SELECT 1 AS a, 'x' AS b, 3 AS c, NULL AS d").expect("prepares");
+        let mut rows = statement.query([]).expect("runs");
+        let row = SqliteRow::new(rows.next().expect("steps").expect("a row"));
+        // In order, out of order, again, and by another case.
+        assert_eq!(row.integer("a").expect("a"), 1);
+        assert_eq!(row.text("b").expect("b"), "x");
+        assert_eq!(row.integer("a").expect("a again"), 1);
+        assert_eq!(row.integer("c").expect("c"), 3);
+        assert_eq!(row.optional_text("d").expect("d"), None);
+        assert_eq!(row.text("B").expect("B"), "x");
+        let missing = row.integer("e").expect_err("no such column");
+        assert!(missing.to_string().contains('e'), "{missing}");
     }
 
     #[tokio::test]
