@@ -2,7 +2,8 @@
 //! SQLite and PostgreSQL stores so both read and write rows the same way.
 //!
 //! The decoders read rows through [`RowSource`], which both backends' row
-//! types implement (sqlx's PostgreSQL rows, rusqlite's SQLite rows): both
+//! types implement (sqlx's PostgreSQL rows, rusqlite's SQLite rows wrapped
+//! in [`SqliteRow`]): both
 //! schemas store the same column names as the same Rust types (`String`,
 //! `i64`, `bool`), so one decoder per record serves both and the two stores
 //! cannot drift apart in how, say, a tool call is parsed back.
@@ -159,7 +160,6 @@ macro_rules! row_source {
 }
 
 row_source!(sqlx::postgres::PgRow, sqlx::Row::try_get);
-row_source!(rusqlite::Row<'_>, rusqlite::Row::get);
 row_source!(SqliteRow<'_, '_>, SqliteRow::get);
 
 /// A SQLite row whose columns are found by name cheaply.

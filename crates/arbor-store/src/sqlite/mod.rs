@@ -710,7 +710,7 @@ fn insert_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
 
 /// Writes a turn's status, totals, error and times.
 fn update_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
-    let changed = connection.prepare_cached(TURN_UPDATE)?.execute(params![
+    changed_one(connection.prepare_cached(TURN_UPDATE)?.execute(params![
         turn.status.as_str(),
         turn.model,
         i64::from(turn.iterations),
@@ -728,11 +728,7 @@ fn update_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
         codec::pending_json(turn),
         turn.conversation_id,
         turn.id,
-    ])?;
-    if changed == 0 {
-        return Err(StoreError::NotFound);
-    }
-    Ok(())
+    ])?)
 }
 
 /// The first row a statement returns, decoded; `None` when it returns none.
