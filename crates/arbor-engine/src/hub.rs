@@ -26,8 +26,8 @@ use crate::writer::EventWriter;
 
 /// Live viewers may fall this many events behind before they resynchronise
 /// from the recent buffer and the store. The channel allocates every slot
-/// (about 100 bytes each) when the hub is made, and a hub outlives its last
-/// turn by `HUB_IDLE` (lib.rs): at 1024 slots the hubs of a busy minute were
+/// (about 100 bytes each) when the hub is made, and a hub may outlive its
+/// last turn (`HUB_IDLE` and `IDLE_CONVERSATIONS_KEPT`, lib.rs): at 1024 slots the hubs of a busy minute were
 /// most of the process's memory in the benchmark, and at 128 still about
 /// half of it at 1,000 turns/s with the 60 ms mock. A viewer that keeps up
 /// is never more than a few events behind (chunks that arrive together are
@@ -422,15 +422,15 @@ impl Hub {
         self.lock().running.clone()
     }
 
-    /// Whether the hub can be dropped from memory without losing anything:
-    /// no turn, no viewer, every event stored, and quiet for a while.
-    pub(crate) fn is_idle(&self, quiet_for: std::time::Duration) -> bool {
+    /// When the hub was last busy, if it can be dropped from memory without
+    /// losing anything: no turn, no viewer, every event stored.
+    pub(crate) fn idle_since(&self) -> Option<Instant> {
         let state = self.lock();
-        state.running.is_none()
+        let idle = state.running.is_none()
             && state.queue.is_empty()
             && state.unnumbered == 0
             && self.sender.receiver_count() == 0
-            && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1
-            && state.last_active.elapsed() >= quiet_for
+            && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1;
+        idle.then_some(state.last_active)
     }
 }

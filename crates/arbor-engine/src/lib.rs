@@ -71,11 +71,20 @@ pub struct EngineConfig {
     pub shared: bool,
     /// How long a running turn's lease lasts without renewal (shared mode).
     pub turn_lease: Duration,
+    /// Quiet conversations kept loaded (their hub and cached tree) at most;
+    /// beyond this the longest quiet leave memory first, and come back from
+    /// the store when next used.
+    pub idle_conversations_kept: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> EngineConfig {
-        EngineConfig { limits: Limits::default(), shared: false, turn_lease: Duration::from_secs(15) }
+        EngineConfig {
+            limits: Limits::default(),
+            shared: false,
+            turn_lease: Duration::from_secs(15),
+            idle_conversations_kept: IDLE_CONVERSATIONS_KEPT,
+        }
     }
 }
 
@@ -163,17 +172,65 @@ impl Inner {
 
 /// How long an authenticated key is trusted without asking the store again.
 const KEY_CACHE_TTL: Duration = Duration::from_secs(30);
-/// Hubs quiet for this long (and fully stored) may leave memory.
+/// Hubs quiet for this long (and fully stored) leave memory.
 const HUB_IDLE: Duration = Duration::from_secs(30);
-/// Idle hubs are swept out once this many are loaded.
+/// Quiet hubs kept at most, by default ([`EngineConfig::idle_conversations_kept`]). A quiet hub with
+/// its cached tree of a short conversation is ~20 KB: kept for `HUB_IDLE` alone, the conversations
+/// of the benchmark's last 30 s at 2,000 turns/s (a new one every 10 turns) were 100 MB of the
+/// process's 133 MB (bench/analysis.md).
+pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
+/// The fewest new hubs between two sweeps (fewer when fewer quiet ones may stay).
 const HUB_SWEEP_MIN: usize = 256;
 
 /// The conversations loaded in memory.
 struct Hubs {
     map: HashMap<String, Arc<Hub>>,
-    /// The size at which the next sweep runs: twice what the last one kept, so each sweep is paid for by as
-    /// many new hubs as it scanned (a sweep on every new hub once 256 were busy made loading O(hubs)).
+    /// The size at which the next sweep runs: half as much again as the last one kept (at least
+    /// [`Hubs::gap`] more), so each sweep is paid for by new hubs in proportion to what it scanned (a
+    /// sweep on every new hub once 256 were busy made loading O(hubs)).
     sweep_at: usize,
+    /// Quiet hubs kept at most after a sweep.
+    idle_kept: usize,
+}
+
+impl Hubs {
+    fn new(idle_kept: usize) -> Hubs {
+        let mut hubs = Hubs { map: HashMap::new(), sweep_at: 0, idle_kept };
+        hubs.sweep_at = hubs.gap();
+        hubs
+    }
+
+    /// How many hubs may be added before the next sweep.
+    fn gap(&self) -> usize {
+        (self.map.len() / 2).max(HUB_SWEEP_MIN.min(self.idle_kept)).max(1)
+    }
+
+    /// Drops the hubs that can go without losing anything (see [`Hub::idle_since`]) and that nobody
+    /// else holds: those quiet for `HUB_IDLE`, then the longest quiet until `idle_kept` are left.
+    fn sweep(&mut self) {
+        let mut quiet = Vec::new();
+        self.map.retain(|id, hub| {
+            // Held elsewhere (a request between finding the hub and using it): kept, or that
+            // request would use a hub the next one for this conversation does not see.
+            let since = if Arc::strong_count(hub) == 1 { hub.idle_since() } else { None };
+            match since {
+                Some(since) if since.elapsed() >= HUB_IDLE => false,
+                Some(since) => {
+                    quiet.push((since, id.clone()));
+                    true
+                }
+                None => true,
+            }
+        });
+        if quiet.len() > self.idle_kept {
+            let excess = quiet.len() - self.idle_kept;
+            quiet.select_nth_unstable_by_key(excess - 1, |(since, _)| *since);
+            for (_, id) in &quiet[..excess] {
+                self.map.remove(id);
+            }
+        }
+        self.sweep_at = self.map.len() + self.gap();
+    }
 }
 
 #[derive(Clone)]
@@ -187,12 +244,13 @@ impl Engine {
     pub async fn start(store: Arc<dyn Store>, models: Models, config: EngineConfig) -> EngineResult<Engine> {
         let (writer, _task) = EventWriter::start(store.clone());
         let (launcher, mut launches) = tokio::sync::mpsc::unbounded_channel();
+        let hubs = Hubs::new(config.idle_conversations_kept);
         let engine = Engine {
             inner: Arc::new(Inner {
                 store,
                 models,
                 config,
-                hubs: Mutex::new(Hubs { map: HashMap::new(), sweep_at: HUB_SWEEP_MIN }),
+                hubs: Mutex::new(hubs),
                 writer,
                 tracker: TaskTracker::new(),
                 closing: CancellationToken::new(),
@@ -444,8 +502,7 @@ impl Engine {
         let last_seq = self.inner.store.last_event_seq(conversation_id).await?;
         let mut hubs = lock(&self.inner.hubs);
         if hubs.map.len() >= hubs.sweep_at {
-            hubs.map.retain(|_, hub| !hub.is_idle(HUB_IDLE));
-            hubs.sweep_at = (2 * hubs.map.len()).max(HUB_SWEEP_MIN);
+            hubs.sweep();
         }
         let hub = hubs
             .map
@@ -456,6 +513,11 @@ impl Engine {
 
     fn hub_if_loaded(&self, conversation_id: &str) -> Option<Arc<Hub>> {
         lock(&self.inner.hubs).map.get(conversation_id).cloned()
+    }
+
+    /// How many conversations are loaded in memory now (busy or kept quiet).
+    pub fn loaded_conversations(&self) -> usize {
+        lock(&self.inner.hubs).map.len()
     }
 
     /// Hubs in memory now.
@@ -546,5 +608,82 @@ fn validate_message_id(id: &str) -> EngineResult<()> {
         Err(EngineError::InvalidInput(format!(
             "message id {id:?} is not valid: use 1-128 printable ASCII characters without spaces"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::writer::EventWriter;
+
+    async fn writer() -> EventWriter {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        EventWriter::start(Arc::new(store)).0
+    }
+
+    fn load(hubs: &mut Hubs, writer: &EventWriter, id: &str) -> Arc<Hub> {
+        if hubs.map.len() >= hubs.sweep_at {
+            hubs.sweep();
+        }
+        let hub = Hub::new(id, 0, writer.clone(), hub::Numbering::Local);
+        hubs.map.insert(id.to_string(), hub.clone());
+        hub
+    }
+
+    fn loaded(hubs: &Hubs) -> Vec<&str> {
+        let mut ids: Vec<&str> = hubs.map.keys().map(String::as_str).collect();
+        ids.sort();
+        ids
+    }
+
+    #[tokio::test]
+    async fn quiet_conversations_beyond_the_limit_leave_memory_longest_quiet_first() {
+        let writer = writer().await;
+        let mut hubs = Hubs::new(2);
+        // c0 has a viewer and c1 is held by a request: neither may go.
+        let c0 = load(&mut hubs, &writer, "c0");
+        let _viewer = c0.subscribe_live();
+        drop(c0);
+        let _held = load(&mut hubs, &writer, "c1");
+        for id in ["c2", "c3", "c4", "c5"] {
+            std::thread::sleep(Duration::from_millis(2));
+            drop(load(&mut hubs, &writer, id));
+        }
+        hubs.sweep();
+        assert_eq!(loaded(&hubs), ["c0", "c1", "c4", "c5"], "the two most recently busy quiet ones stay");
+
+        // Kept under the limit, nothing quiet goes before `HUB_IDLE`.
+        let mut roomy = Hubs::new(10);
+        for id in ["a", "b", "c"] {
+            drop(load(&mut roomy, &writer, id));
+        }
+        roomy.sweep();
+        assert_eq!(loaded(&roomy), ["a", "b", "c"]);
+    }
+
+    #[tokio::test]
+    async fn sweeps_come_often_enough_to_hold_the_limit_and_seldom_enough_to_stay_cheap() {
+        let writer = writer().await;
+        let mut hubs = Hubs::new(8);
+        let mut peak = 0;
+        for index in 0..2000 {
+            drop(load(&mut hubs, &writer, &format!("c{index}")));
+            peak = peak.max(hubs.map.len());
+        }
+        // At most the limit plus the new ones since the last sweep.
+        assert!(peak <= 8 + 8, "peak {peak}");
+
+        // With many busy (held) hubs, a sweep does not run on every new one.
+        let mut busy_hubs = Hubs::new(0);
+        let mut busy = Vec::new();
+        let mut sweeps = 0;
+        for index in 0..2000 {
+            if busy_hubs.map.len() >= busy_hubs.sweep_at {
+                sweeps += 1;
+            }
+            busy.push(load(&mut busy_hubs, &writer, &format!("c{index}")));
+        }
+        assert_eq!(busy_hubs.map.len(), 2000, "held hubs stay");
+        assert!(sweeps < 20, "{sweeps} sweeps for 2000 busy hubs");
     }
 }

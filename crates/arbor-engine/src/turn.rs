@@ -322,6 +322,9 @@ impl TurnTask {
             })
             .map(|node| node.message.clone())
             .collect();
+        // Let go before the reply is added: the hub's copy then grows in
+        // place instead of being cloned whole (`Arc::make_mut`) every turn.
+        drop(tree);
         let parent_id = self.turn.user_message_id.clone();
         let has_image =
             path.iter().any(|message| message.parts.iter().any(|part| matches!(part, arbor_core::Part::Image { .. })));

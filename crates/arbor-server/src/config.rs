@@ -50,6 +50,9 @@ struct RawServer {
     /// With several nodes: how long a running turn's lease lasts; a node
     /// silent for this long has its turns taken over.
     turn_lease_secs: Option<u64>,
+    /// Quiet conversations kept in memory at most (their event hub and
+    /// cached tree); the rest are read from the store when next used.
+    idle_conversations_kept: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -130,6 +133,7 @@ pub struct Config {
     pub max_body_bytes: usize,
     pub shutdown_grace: Duration,
     pub turn_lease: Duration,
+    pub idle_conversations_kept: usize,
     pub default_model: Option<String>,
     pub providers: Vec<ProviderConfig>,
     pub models: BTreeMap<String, ModelEntry>,
@@ -258,6 +262,10 @@ impl Config {
             max_body_bytes: raw.server.max_body_bytes.unwrap_or(1024 * 1024),
             shutdown_grace: Duration::from_secs(raw.server.shutdown_grace_secs.unwrap_or(10)),
             turn_lease: Duration::from_secs(raw.server.turn_lease_secs.unwrap_or(15).max(1)),
+            idle_conversations_kept: raw
+                .server
+                .idle_conversations_kept
+                .unwrap_or(arbor_engine::IDLE_CONVERSATIONS_KEPT),
             default_model: raw.default_model,
             providers,
             models: raw.models,

@@ -63,8 +63,12 @@ pub async fn build_engine(config: &Config) -> Result<Engine, SetupError> {
     }
     let store = arbor_store::open(&config.database_url).await?;
     let models = build_models(config)?;
-    let engine_config =
-        EngineConfig { limits: config.limits.clone(), shared: config.shared_database(), turn_lease: config.turn_lease };
+    let engine_config = EngineConfig {
+        limits: config.limits.clone(),
+        shared: config.shared_database(),
+        turn_lease: config.turn_lease,
+        idle_conversations_kept: config.idle_conversations_kept,
+    };
     Ok(Engine::start(store, models, engine_config).await?)
 }
 

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use arbor_testkit::spawn_app;
+use arbor_testkit::{AppOptions, spawn_app, spawn_app_with};
 use serde_json::{Value, json};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -123,6 +123,56 @@ async fn the_json_mode_waits_and_returns_the_turn_and_the_reply() {
     let messages = tree.body["messages"].as_array().expect("messages");
     assert_eq!(messages.len(), 4);
     assert_eq!(messages[2]["parent_id"], messages[1]["id"], "the next message hangs under the head");
+}
+
+#[tokio::test]
+async fn a_conversation_sent_out_of_memory_comes_back_from_the_store() {
+    // No quiet conversation is kept: loading another one sends the first
+    // out of memory (its hub, event numbering and cached tree).
+    let options = AppOptions { config_toml: "[server]\nidle_conversations_kept = 0\n".into(), ..AppOptions::default() };
+    let app = spawn_app_with(options).await;
+    let key = app.admin_key.clone();
+    let loaded = || async {
+        let metrics = app.client.get(app.url("/metrics")).send().await.expect("sent").text().await.expect("text");
+        let line = metrics.lines().find(|line| line.starts_with("arbor_conversations_loaded ")).expect("the gauge");
+        line["arbor_conversations_loaded ".len()..].parse::<usize>().expect("a count")
+    };
+    let first = app.new_conversation(&key, json!({})).await;
+    let other = app.new_conversation(&key, json!({})).await;
+    let turn = |conversation: &str, content: &str| {
+        let path = format!("/v1/conversations/{conversation}/messages");
+        let body = json!({"content": content});
+        let app = &app;
+        let key = &key;
+        async move {
+            let response = app.post(key, &path, &body).await;
+            assert_eq!(response.status, 200, "{:?}", response.body);
+        }
+    };
+    turn(&first, "one").await;
+    app.engine.flush_events().await;
+    assert_eq!(loaded().await, 1);
+    turn(&other, "elsewhere").await;
+    app.engine.flush_events().await;
+    assert_eq!(loaded().await, 1, "the first conversation left memory when the other was loaded");
+
+    turn(&first, "two").await;
+    app.engine.flush_events().await;
+    let tree = app.get(&key, &format!("/v1/conversations/{first}")).await;
+    let messages = tree.body["messages"].as_array().expect("messages");
+    let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().expect("text")).collect();
+    assert_eq!(contents.len(), 4, "{contents:?}");
+    assert_eq!((contents[0], contents[2]), ("one", "two"));
+    assert_eq!(messages[2]["parent_id"], messages[1]["id"], "the second turn continues from the stored head");
+
+    // Its events are numbered on from where the first hub stopped: one
+    // replay holds both turns, each id once, in order.
+    let mut replay = app.open_stream(&key, &format!("/v1/conversations/{first}/events?after=0"), None, &[]).await;
+    let mut events = replay.until("done", DEADLINE).await;
+    events.extend(replay.until("done", DEADLINE).await);
+    let ids: Vec<i64> = events.iter().map(|event| event.id.expect("an id")).collect();
+    assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "ids increase: {ids:?}");
+    assert_eq!(events.iter().filter(|event| event.event == "done").count(), 2);
 }
 
 #[tokio::test]
