@@ -488,9 +488,39 @@ fn wire_tool_call(call: &ToolCall, send_signatures: bool) -> WireToolCall<'_> {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct WireChunk {
-    choices: Vec<WireChoice>,
+    choices: FirstChoice,
     usage: Option<WireUsage>,
     error: Option<Value>,
+}
+
+/// Choice 0 of the `choices` list. With n > 1 the others are alternatives
+/// nobody asked Arbor for: they are read past, and no list is built for the
+/// one that matters, chunk after chunk.
+#[derive(Default)]
+struct FirstChoice(Option<WireChoice>);
+
+impl<'de> Deserialize<'de> for FirstChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<FirstChoice, D::Error> {
+        struct Choices;
+        impl<'de> serde::de::Visitor<'de> for Choices {
+            type Value = FirstChoice;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+                formatter.write_str("a list of choices")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut choices: A) -> Result<FirstChoice, A::Error> {
+                let mut first = None;
+                while let Some(choice) = choices.next_element::<WireChoice>()? {
+                    if first.is_none() && choice.index.unwrap_or(0) == 0 {
+                        first = Some(choice);
+                    }
+                }
+                Ok(FirstChoice(first))
+            }
+        }
+        deserializer.deserialize_seq(Choices)
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -499,9 +529,17 @@ struct WireChoice {
     index: Option<u64>,
     /// In a stream chunk.
     delta: Option<WireDelta>,
-    /// In a complete response.
-    message: Option<WireDelta>,
+    /// In a complete response (boxed: a chunk's choice stays small to move).
+    message: Option<Box<WireDelta>>,
     finish_reason: Option<String>,
+}
+
+impl WireChoice {
+    /// What the choice says, stream delta or whole message.
+    fn said(&mut self, message_first: bool) -> Option<WireDelta> {
+        let message = self.message.take().map(|message| *message);
+        if message_first { message.or(self.delta.take()) } else { self.delta.take().or(message) }
+    }
 }
 
 /// A stream delta or a complete message: the same fields, whole or in part.
@@ -764,12 +802,17 @@ fn apply_delta(delta: WireDelta, calls: &mut ToolCalls, out: &mut impl FnMut(Chu
     if let Some(text) = string_of(delta.reasoning_content.as_ref()).or_else(|| string_of(delta.reasoning.as_ref())) {
         thinking.push_str(text);
     }
-    text_of(delta.content.as_ref(), "thinking", &mut thinking);
+    // Plain text (nearly every chunk) becomes the chunk's text as it is;
+    // a list of parts is sorted into thinking and text.
+    let (mut text, parts) = match delta.content {
+        Some(Value::String(text)) => (text, None),
+        other => (String::new(), other),
+    };
+    text_of(parts.as_ref(), "thinking", &mut thinking);
     if !thinking.is_empty() {
         out(Chunk::Thinking(thinking));
     }
-    let mut text = String::new();
-    text_of(delta.content.as_ref(), "text", &mut text);
+    text_of(parts.as_ref(), "text", &mut text);
     // A refusal is the model's answer; the user should read it.
     text_of(delta.refusal.as_ref(), "text", &mut text);
     if !text.is_empty() {
@@ -837,11 +880,8 @@ impl Decode for StreamDecoder {
         let mut emit = |chunk: Chunk| out.push(Ok(chunk));
         // With n > 1 the other choices are alternatives nobody asked
         // Arbor for; only the first becomes the reply.
-        for choice in chunk.choices {
-            if choice.index.unwrap_or(0) != 0 {
-                continue;
-            }
-            if let Some(delta) = choice.delta.or(choice.message) {
+        if let Some(mut choice) = chunk.choices.0 {
+            if let Some(delta) = choice.said(false) {
                 apply_delta(delta, &mut self.calls, &mut emit);
             }
             if let Some(reason) = choice.finish_reason.filter(|reason| !reason.is_empty()) {
@@ -905,13 +945,13 @@ fn response_chunks(body: &[u8]) -> Result<Vec<Chunk>, ProviderError> {
     if let Some(error) = response.error {
         return Err(error_from_body(None, &error));
     }
-    let Some(choice) = response.choices.into_iter().find(|choice| choice.index.unwrap_or(0) == 0) else {
+    let Some(mut choice) = response.choices.0 else {
         return Err(ProviderError::new(ErrorCode::ProviderUnavailable, "the provider's reply has no choices"));
     };
     let mut chunks = Vec::new();
     let mut calls = ToolCalls::default();
     let mut emit = |chunk: Chunk| chunks.push(chunk);
-    if let Some(message) = choice.message.or(choice.delta) {
+    if let Some(message) = choice.said(true) {
         apply_delta(message, &mut calls, &mut emit);
     }
     calls.close_all(&mut emit);
@@ -1260,6 +1300,33 @@ mod tests {
             items.last().and_then(|item| item.as_ref().err()).map(|e| e.code),
             Some(ErrorCode::StreamInterrupted)
         );
+    }
+
+    #[test]
+    fn only_choice_zero_becomes_the_reply() {
+        // n = 2: the alternative comes first in one chunk, second in the other.
+        let body = concat!(
+            "data: {\"choices\":[{\"index\":1,\"delta\":{\"content\":\"other\"}},",
+            "{\"index\":0,\"delta\":{\"content\":\"mine\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" too\"},\"finish_reason\":\"stop\"},",
+            "{\"index\":1,\"delta\":{\"content\":\" also other\"},\"finish_reason\":\"length\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let items = chunks_of(body);
+        assert_eq!(
+            items,
+            vec![Ok(Chunk::Text("mine".into())), Ok(Chunk::Text(" too".into())), Ok(Chunk::Finish(FinishReason::Stop)),]
+        );
+        let whole = br#"{"choices":[{"index":1,"message":{"content":"other"},"finish_reason":"stop"},
+            {"index":0,"message":{"content":[{"type":"thinking","thinking":"hm"},{"type":"text","text":"mine"}]},
+             "finish_reason":"stop"}]}"#;
+        let chunks = response_chunks(whole).expect("a reply");
+        assert_eq!(
+            chunks,
+            vec![Chunk::Thinking("hm".into()), Chunk::Text("mine".into()), Chunk::Finish(FinishReason::Stop)]
+        );
+        let none = response_chunks(br#"{"choices":[{"index":1,"message":{"content":"other"}}]}"#);
+        assert!(none.is_err(), "a reply without choice 0 has nothing to give");
     }
 
     #[test]
