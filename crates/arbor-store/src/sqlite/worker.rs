@@ -318,7 +318,7 @@ impl Writer {
                     }
                     continue;
                 }
-                let sync = sync_full && group.waited_on;
+                let sync = sync_full && group.waited > 0;
                 if sync != synced {
                     let level = if sync { "full" } else { "normal" };
                     match connection.pragma_update(None, "synchronous", level) {
@@ -396,29 +396,38 @@ impl Writer {
 #[derive(Default)]
 struct Group {
     bodies: Vec<WriteBody>,
-    /// A write that someone waits on is among them.
-    waited_on: bool,
+    /// How many of them someone waits on (they come first in `bodies`).
+    waited: usize,
     /// When the oldest deferred write among them is due.
     due: Option<Instant>,
 }
 
 impl Group {
+    /// Adds a write: a deferred one at the end, one someone waits on after
+    /// the others waited on. The first write opens the transaction and the
+    /// rest run in savepoints, which copy every page they change that was
+    /// already in the database; a turn's write (its messages, turn, head,
+    /// charge: ~10 pages) is then the one that opens, and a batch of events
+    /// (2-3 pages) the one that pays. Writes in a group are independent (a
+    /// caller's next write comes after its last was answered), so their
+    /// order in the transaction changes nothing they see.
     fn take(&mut self, job: WriteJob) {
         if job.deferred {
             self.due.get_or_insert_with(|| Instant::now() + DEFERRED_WAIT);
+            self.bodies.push(job.body);
         } else {
-            self.waited_on = true;
+            self.bodies.insert(self.waited, job.body);
+            self.waited += 1;
         }
-        self.bodies.push(job.body);
     }
 
     /// Whether to commit now rather than wait for more.
     fn is_due(&self) -> bool {
-        self.waited_on || self.bodies.len() >= MAX_GROUP || self.due.is_some_and(|due| Instant::now() >= due)
+        self.waited > 0 || self.bodies.len() >= MAX_GROUP || self.due.is_some_and(|due| Instant::now() >= due)
     }
 
     fn drain(&mut self) -> std::vec::Drain<'_, WriteBody> {
-        (self.waited_on, self.due) = (false, None);
+        (self.waited, self.due) = (0, None);
         self.bodies.drain(..)
     }
 }
@@ -623,6 +632,35 @@ mod tests {
         let rows: i64 =
             writer.write(|c| Ok(c.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))?)).await.unwrap();
         assert_eq!(rows, 3);
+    }
+
+    #[tokio::test]
+    async fn in_a_group_the_writes_waited_on_run_first_in_arrival_order() {
+        let (writer, commits) = writer();
+        let busy = hold(&writer, Duration::from_millis(150)).await;
+        let mut queued = Vec::new();
+        for (value, deferred) in [(10, true), (20, false), (11, true), (21, false)] {
+            let writer = writer.clone();
+            queued.push(tokio::spawn(async move {
+                if deferred { writer.write_deferred(insert(value)).await } else { writer.write(insert(value)).await }
+            }));
+            // Sent one after another, so they queue in this order.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for write in queued {
+            write.await.expect("joins").expect("stored");
+        }
+        busy.await.expect("joins").expect("held");
+        assert_eq!(commits.load(Ordering::SeqCst), 2, "the hold, then one commit for the four");
+        let order: Vec<i64> = writer
+            .write(|c| {
+                let mut statement = c.prepare("SELECT v FROM t ORDER BY rowid")?;
+                let values = statement.query_map([], |row| row.get(0))?.collect::<Result<_, _>>()?;
+                Ok(values)
+            })
+            .await
+            .expect("reads");
+        assert_eq!(order, [20, 21, 10, 11]);
     }
 
     #[tokio::test]
