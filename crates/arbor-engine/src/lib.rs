@@ -175,9 +175,9 @@ const KEY_CACHE_TTL: Duration = Duration::from_secs(30);
 /// Hubs quiet for this long (and fully stored) leave memory.
 const HUB_IDLE: Duration = Duration::from_secs(30);
 /// Quiet hubs kept at most, by default ([`EngineConfig::idle_conversations_kept`]). A quiet hub with
-/// its cached tree of a short conversation is ~20 KB: kept for `HUB_IDLE` alone, the conversations
-/// of the benchmark's last 30 s at 2,000 turns/s (a new one every 10 turns) were 100 MB of the
-/// process's 133 MB (bench/analysis.md).
+/// its cached tree of a short conversation is ~20-30 KB: kept for `HUB_IDLE` alone, the
+/// conversations of the benchmark's last 30 s at 2,000 turns/s (a new one every 10 turns) took the
+/// process to 111-164 MB, against 68-83 MB with this bound (bench/memprobe.sh, bench/analysis.md).
 pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
 /// The fewest new hubs between two sweeps (fewer when fewer quiet ones may stay).
 const HUB_SWEEP_MIN: usize = 256;
