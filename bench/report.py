@@ -286,9 +286,18 @@ s2_3000 = point("S2", 3000, "sqlite")
 if s2_3000:
     peak = s2_3000.get("server_peak_rss_kib")
     achieved = s2_3000.get("achieved_rps")
-    met = peak is not None and peak < RSS_GOAL_KIB and s2_3000.all_ok
+    # Sustained as the runner judges it (median under 100 ms on the 60 ms
+    # mock); past that the RSS is the backlog's, not the load's.
+    kept_up = (s2_3000.get("latency_us", "p50") or 0) < 100_000
+    met = peak is not None and peak < RSS_GOAL_KIB and s2_3000.all_ok and kept_up
+    below = sustained("S2", "sqlite", limit_us=100_000)
+    below_text = ""
+    if not kept_up and below:
+        below_text = (f"; at {rate_text(below)}/s, the highest rate it sustained: "
+                      f"{mib(point('S2', below, 'sqlite').get('server_peak_rss_kib'))}")
+    queued_text = "" if kept_up else f", median latency {us(s2_3000.get('latency_us', 'p50'))} (queued)"
     w(f"| < 100 MB RSS at 3,000 requests/s (S2, 60 ms mock) | peak {mib(peak)} ({peak * 1024 / 1e6:.0f} MB), "
-      f"achieved {achieved:.0f}/s, {success_text(s2_3000)} | {'yes' if met else '**no**'} |")
+      f"achieved {achieved:.0f}/s, {success_text(s2_3000)}{queued_text}{below_text} | {'yes' if met else '**no**'} |")
 elif rates("S2", "sqlite"):
     top = max(rates("S2", "sqlite"))
     p = point("S2", top, "sqlite")
