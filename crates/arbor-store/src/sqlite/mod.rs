@@ -13,6 +13,7 @@
 //! running turn, quota, unique message ids) also holds by the database's own
 //! constraints, exactly as on PostgreSQL.
 
+mod session;
 mod worker;
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,7 @@ use async_trait::async_trait;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, ffi, params};
 use tokio::sync::broadcast;
 
+use self::session::Session;
 use self::worker::{PointReaders, Readers, WalLength, Writer};
 use crate::codec::{self, NodeColumns, SqliteRow, to_i64};
 use crate::*;
@@ -243,7 +245,7 @@ impl SqliteStore {
     async fn write<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         self.writer.write(body).await
     }
@@ -252,7 +254,7 @@ impl SqliteStore {
     async fn read<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         match &self.reader {
             Some(reader) => reader.run(body).await,
@@ -266,7 +268,7 @@ impl SqliteStore {
     async fn read_point<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         let body = match &self.point {
             Some(point) => match point.try_run(body) {
@@ -484,9 +486,9 @@ const NODE_UPSERT: &str = concat!(
     node_upsert_conflict!()
 );
 
-fn insert_node(connection: &Connection, statement: &'static str, node: &Node) -> StoreResult<()> {
+fn insert_node(connection: &Session<'_, '_>, statement: &'static str, node: &Node) -> StoreResult<()> {
     let columns = NodeColumns::new(node)?;
-    connection.prepare_cached(statement)?.execute(params![
+    connection.cached(statement)?.execute(params![
         node.conversation_id,
         node.id,
         node.parent_id,
@@ -543,8 +545,8 @@ const TURN_UPDATE: &str = "UPDATE turns SET status = ?, model = ?, iterations = 
 /// handful of events a turn writes it cost more than the statements it
 /// saved: 1,117 k → 1,085 k instructions per JSON turn
 /// (`bench/profile.sh`), level at 1,000 turns/s.
-fn insert_events(connection: &Connection, events: &[Event]) -> StoreResult<()> {
-    let mut statement = connection.prepare_cached(EVENT_INSERT)?;
+fn insert_events(connection: &Session<'_, '_>, events: &[Event]) -> StoreResult<()> {
+    let mut statement = connection.cached(EVENT_INSERT)?;
     for event in events {
         statement.execute(params![
             &*event.conversation_id,
@@ -567,19 +569,19 @@ fn insert_events(connection: &Connection, events: &[Event]) -> StoreResult<()> {
 /// than looking the row up again inside the same transaction (nothing else
 /// writes between the two; there is one writer).
 fn advance_head(
-    connection: &Connection,
+    connection: &Session<'_, '_>,
     conversation_id: &str,
     head_id: Option<&str>,
     updated_at: Millis,
 ) -> StoreResult<i64> {
-    changed_one(connection.prepare_cached(HEAD_MOVE)?.execute(params![head_id, updated_at, conversation_id])?)?;
+    changed_one(connection.cached(HEAD_MOVE)?.execute(params![head_id, updated_at, conversation_id])?)?;
     head_version(connection, conversation_id)
 }
 
 /// The head version of a conversation; `NotFound` when it does not exist.
-fn head_version(connection: &Connection, conversation_id: &str) -> StoreResult<i64> {
+fn head_version(connection: &Session<'_, '_>, conversation_id: &str) -> StoreResult<i64> {
     let version = connection
-        .prepare_cached("SELECT head_version FROM conversations WHERE id = ?")?
+        .cached("SELECT head_version FROM conversations WHERE id = ?")?
         .query_row([conversation_id], |row| row.get(0))
         .optional()?;
     version.ok_or(StoreError::NotFound)
@@ -588,11 +590,11 @@ fn head_version(connection: &Connection, conversation_id: &str) -> StoreResult<i
 /// Stores a model call, its message and its charge, inside the caller's
 /// transaction (shared by `record_call`, `settle_reservation` and
 /// `finish_turn`).
-fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
+fn charge_call(connection: &Session<'_, '_>, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
     if let Some(node) = message {
         insert_node(connection, NODE_UPSERT, node)?;
     }
-    connection.prepare_cached(CALL_INSERT)?.execute(params![
+    connection.cached(CALL_INSERT)?.execute(params![
         call.id,
         call.turn_id,
         call.conversation_id,
@@ -617,12 +619,12 @@ fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) 
     // the writer's transaction: concurrent charges add up, none is lost. A
     // NULL (unlimited) balance stays NULL. (Read back without `RETURNING`,
     // see `advance_head`.)
-    changed_one(connection.prepare_cached(BALANCE_CHARGE)?.execute(params![credits, call.user_id])?)?;
+    changed_one(connection.cached(BALANCE_CHARGE)?.execute(params![credits, call.user_id])?)?;
     let balance_after: Option<i64> = connection
-        .prepare_cached("SELECT balance_credits FROM users WHERE id = ?")?
+        .cached("SELECT balance_credits FROM users WHERE id = ?")?
         .query_row([&call.user_id], |row| row.get(0))?;
     let entry = LedgerEntry::for_call(call, balance_after);
-    connection.prepare_cached(LEDGER_INSERT)?.execute(params![
+    connection.cached(LEDGER_INSERT)?.execute(params![
         entry.id,
         entry.user_id,
         entry.api_call_id,
@@ -634,12 +636,12 @@ fn charge_call(connection: &Connection, call: &ApiCall, message: Option<&Node>) 
 }
 
 /// Holds a reservation's credits, inside the caller's transaction.
-fn reserve(connection: &Connection, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
+fn reserve(connection: &Session<'_, '_>, reservation: &Reservation) -> StoreResult<ReserveOutcome> {
     // The check and the hold are one statement, so no other
     // reservation or charge can slip between them. (Read back without
     // `RETURNING`, see `advance_head`.)
     let held = connection
-        .prepare_cached(
+        .cached(
             "UPDATE users SET reserved_credits = reserved_credits + ? \
              WHERE id = ? AND (balance_credits IS NULL OR balance_credits - reserved_credits >= ?)",
         )?
@@ -649,7 +651,7 @@ fn reserve(connection: &Connection, reservation: &Reservation) -> StoreResult<Re
         return Ok(ReserveOutcome::Insufficient { available: available.unwrap_or(0) });
     }
     connection
-        .prepare_cached(
+        .cached(
             "INSERT INTO credit_reservations (id, user_id, credits, created_at, expires_at) \
              VALUES (?, ?, ?, ?, ?)",
         )?
@@ -665,25 +667,25 @@ fn reserve(connection: &Connection, reservation: &Reservation) -> StoreResult<Re
 
 /// Gives a reservation's credits back, inside the caller's transaction.
 /// Returns whether the reservation still existed.
-fn release(connection: &Connection, reservation_id: &str) -> StoreResult<bool> {
+fn release(connection: &Session<'_, '_>, reservation_id: &str) -> StoreResult<bool> {
     // Read, then deleted (rather than `DELETE ... RETURNING`, see
     // `advance_head`).
     let released: Option<(String, i64)> = connection
-        .prepare_cached("SELECT user_id, credits FROM credit_reservations WHERE id = ?")?
+        .cached("SELECT user_id, credits FROM credit_reservations WHERE id = ?")?
         .query_row([reservation_id], |row| Ok((row.get(0)?, row.get(1)?)))
         .optional()?;
     let Some((user_id, credits)) = released else {
         return Ok(false);
     };
-    connection.prepare_cached("DELETE FROM credit_reservations WHERE id = ?")?.execute([reservation_id])?;
+    connection.cached("DELETE FROM credit_reservations WHERE id = ?")?.execute([reservation_id])?;
     connection
-        .prepare_cached("UPDATE users SET reserved_credits = MAX(reserved_credits - ?, 0) WHERE id = ?")?
+        .cached("UPDATE users SET reserved_credits = MAX(reserved_credits - ?, 0) WHERE id = ?")?
         .execute(params![credits, user_id])?;
     Ok(true)
 }
 
-fn insert_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
-    connection.prepare_cached(TURN_INSERT)?.execute(params![
+fn insert_turn(connection: &Session<'_, '_>, turn: &Turn) -> StoreResult<()> {
+    connection.cached(TURN_INSERT)?.execute(params![
         turn.id,
         turn.conversation_id,
         turn.user_id,
@@ -709,8 +711,8 @@ fn insert_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
 }
 
 /// Writes a turn's status, totals, error and times.
-fn update_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
-    changed_one(connection.prepare_cached(TURN_UPDATE)?.execute(params![
+fn update_turn(connection: &Session<'_, '_>, turn: &Turn) -> StoreResult<()> {
+    changed_one(connection.cached(TURN_UPDATE)?.execute(params![
         turn.status.as_str(),
         turn.model,
         i64::from(turn.iterations),
@@ -733,24 +735,24 @@ fn update_turn(connection: &Connection, turn: &Turn) -> StoreResult<()> {
 
 /// The first row a statement returns, decoded; `None` when it returns none.
 fn query_one<T>(
-    connection: &Connection,
-    sql: &str,
+    connection: &Session<'_, '_>,
+    sql: &'static str,
     parameters: impl rusqlite::Params,
     decode: impl Fn(&SqliteRow<'_, '_>) -> StoreResult<T>,
 ) -> StoreResult<Option<T>> {
-    let mut statement = connection.prepare_cached(sql)?;
+    let mut statement = connection.cached(sql)?;
     let mut rows = statement.query(parameters)?;
     rows.next()?.map(|row| decode(&SqliteRow::new(row))).transpose()
 }
 
 /// Every row a statement returns, decoded.
 fn query_all<T>(
-    connection: &Connection,
-    sql: &str,
+    connection: &Session<'_, '_>,
+    sql: &'static str,
     parameters: impl rusqlite::Params,
     decode: impl Fn(&SqliteRow<'_, '_>) -> StoreResult<T>,
 ) -> StoreResult<Vec<T>> {
-    let mut statement = connection.prepare_cached(sql)?;
+    let mut statement = connection.cached(sql)?;
     let mut rows = statement.query(parameters)?;
     let mut decoded = Vec::new();
     while let Some(row) = rows.next()? {
@@ -770,9 +772,7 @@ impl Store for SqliteStore {
         let user = user.clone();
         self.write(move |connection| {
             connection
-                .prepare_cached(
-                    "INSERT INTO users (id, name, is_admin, balance_credits, created_at) VALUES (?, ?, ?, ?, ?)",
-                )?
+                .cached("INSERT INTO users (id, name, is_admin, balance_credits, created_at) VALUES (?, ?, ?, ?, ?)")?
                 .execute(params![user.id, user.name, user.is_admin, user.balance_credits, user.created_at])?;
             Ok(())
         })
@@ -801,8 +801,7 @@ impl Store for SqliteStore {
 
     async fn count_users(&self) -> StoreResult<u64> {
         self.read(|connection| {
-            let count: i64 =
-                connection.prepare_cached("SELECT COUNT(*) FROM users")?.query_row([], |row| row.get(0))?;
+            let count: i64 = connection.cached("SELECT COUNT(*) FROM users")?.query_row([], |row| row.get(0))?;
             Ok(codec::to_u64(count))
         })
         .await
@@ -812,9 +811,7 @@ impl Store for SqliteStore {
         let key = key.clone();
         self.write(move |connection| {
             connection
-                .prepare_cached(
-                    "INSERT INTO api_keys (id, user_id, key_hash, prefix, created_at) VALUES (?, ?, ?, ?, ?)",
-                )?
+                .cached("INSERT INTO api_keys (id, user_id, key_hash, prefix, created_at) VALUES (?, ?, ?, ?, ?)")?
                 .execute(params![key.id, key.user_id, key.key_hash, key.prefix, key.created_at])?;
             Ok(())
         })
@@ -840,7 +837,7 @@ impl Store for SqliteStore {
         let conversation = conversation.clone();
         self.write(move |connection| {
             connection
-                .prepare_cached(concat!(
+                .cached(concat!(
                     "INSERT INTO conversations (",
                     conversation_columns!(),
                     ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -943,7 +940,7 @@ impl Store for SqliteStore {
         self.write(move |connection| {
             changed_one(
                 connection
-                    .prepare_cached("DELETE FROM conversations WHERE owner_id = ? AND id = ?")?
+                    .cached("DELETE FROM conversations WHERE owner_id = ? AND id = ?")?
                     .execute([owner_id, conversation_id])?,
             )
         })
@@ -967,7 +964,7 @@ impl Store for SqliteStore {
             }
             if let Some(head_id) = &head_id {
                 let exists = connection
-                    .prepare_cached("SELECT 1 FROM messages WHERE conversation_id = ? AND id = ?")?
+                    .cached("SELECT 1 FROM messages WHERE conversation_id = ? AND id = ?")?
                     .exists([&conversation_id, head_id])?;
                 if !exists {
                     return Err(StoreError::NotFound);
@@ -1023,7 +1020,7 @@ impl Store for SqliteStore {
             let columns = NodeColumns::new(&node)?;
             changed_one(
                 connection
-                    .prepare_cached(
+                    .cached(
                         "UPDATE messages SET content = ?, parts = ?, tool_calls = ?, tool_call_id = ?, \
                          tool_name = ?, tool_status = ?, model = ?, provider = ?, status = ? \
                          WHERE conversation_id = ? AND id = ?",
@@ -1185,7 +1182,7 @@ impl Store for SqliteStore {
         self.write(move |connection| {
             changed_one(
                 connection
-                    .prepare_cached("UPDATE users SET balance_credits = ? WHERE id = ?")?
+                    .cached("UPDATE users SET balance_credits = ? WHERE id = ?")?
                     .execute(params![balance, user_id])?,
             )
         })
@@ -1208,7 +1205,7 @@ impl Store for SqliteStore {
         // events between the read of the last seq and the commit.
         self.write(move |connection| {
             let last: Option<i64> = connection
-                .prepare_cached(
+                .cached(
                     "SELECT (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?1) \
                      FROM conversations WHERE id = ?1",
                 )?
@@ -1243,7 +1240,7 @@ impl Store for SqliteStore {
         let conversation_id = conversation_id.to_string();
         self.read_point(move |connection| {
             Ok(connection
-                .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?")?
+                .cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?")?
                 .query_row([conversation_id], |row| row.get(0))?)
         })
         .await
@@ -1286,7 +1283,7 @@ impl Store for SqliteStore {
     async fn release_expired_reservations(&self, now: Millis) -> StoreResult<u64> {
         self.write(move |connection| {
             let expired = connection
-                .prepare_cached("SELECT id FROM credit_reservations WHERE expires_at <= ?")?
+                .cached("SELECT id FROM credit_reservations WHERE expires_at <= ?")?
                 .query_map([now], |row| row.get::<_, String>(0))?
                 .collect::<Result<Vec<_>, _>>()?;
             for id in &expired {
@@ -1306,7 +1303,7 @@ impl Store for SqliteStore {
         let (turn_id, owner) = (turn_id.to_string(), owner.to_string());
         self.write(move |connection| {
             let changed = connection
-                .prepare_cached(
+                .cached(
                     "UPDATE turns SET lease_owner = ?1, lease_expires_at = ?2 \
                      WHERE id = ?3 AND status = 'running' AND (lease_owner IS NULL OR lease_owner = ?1)",
                 )?
@@ -1326,7 +1323,7 @@ impl Store for SqliteStore {
         // racing for the turn, the first one's new lease fails the others.
         self.write(move |connection| {
             let changed = connection
-                .prepare_cached(
+                .cached(
                     "UPDATE turns SET lease_owner = ?, lease_expires_at = ? \
                      WHERE id = ? AND status = 'running' AND lease_expires_at <= ?",
                 )?
@@ -1340,7 +1337,7 @@ impl Store for SqliteStore {
         let turn_id = turn_id.to_string();
         self.read_point(move |connection| {
             let row: Option<(Option<String>, Option<i64>)> = connection
-                .prepare_cached("SELECT lease_owner, lease_expires_at FROM turns WHERE id = ?")?
+                .cached("SELECT lease_owner, lease_expires_at FROM turns WHERE id = ?")?
                 .query_row([turn_id], |row| Ok((row.get(0)?, row.get(1)?)))
                 .optional()?;
             Ok(match row {
@@ -1375,9 +1372,9 @@ const EXPIRED_TURNS: &str = concat!(
 );
 
 /// Credits a user may still reserve; `NotFound` for an unknown user.
-fn available_credits(connection: &Connection, user_id: &str) -> StoreResult<Option<i64>> {
+fn available_credits(connection: &Session<'_, '_>, user_id: &str) -> StoreResult<Option<i64>> {
     let available: Option<Option<i64>> = connection
-        .prepare_cached("SELECT balance_credits - reserved_credits FROM users WHERE id = ?")?
+        .cached("SELECT balance_credits - reserved_credits FROM users WHERE id = ?")?
         .query_row([user_id], |row| row.get(0))
         .optional()?;
     available.ok_or(StoreError::NotFound)

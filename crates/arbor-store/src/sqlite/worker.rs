@@ -57,6 +57,7 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
+use super::session::{Session, Statements};
 use crate::{StoreError, StoreResult};
 
 /// Writes committed together at most.
@@ -65,7 +66,7 @@ const MAX_GROUP: usize = 64;
 /// How long a deferred write waits at most for another one to ride with.
 pub(super) const DEFERRED_WAIT: Duration = Duration::from_millis(5);
 
-type ReadJob = Box<dyn FnOnce(&Connection) + Send>;
+type ReadJob = Box<dyn FnOnce(&Session<'_, '_>) + Send>;
 
 /// A queue of reads served by one or more threads, each with its own
 /// connection. Cloning shares the queue; the threads stop (closing their
@@ -84,6 +85,8 @@ impl Readers {
         for (index, connection) in connections.into_iter().enumerate() {
             let queue = queue.clone();
             std::thread::Builder::new().name(format!("{name}-{index}")).spawn(move || {
+                let statements = Statements::default();
+                let session = Session::new(&connection, &statements);
                 loop {
                     // The lock is held only while waiting for the next job:
                     // the other threads queue for it, and one of them takes
@@ -95,7 +98,7 @@ impl Readers {
                     let Ok(job) = job else { return };
                     // A panicking job (a bug) loses its own reply, which its
                     // caller sees as an error; the thread serves on.
-                    let _ = catch_unwind(AssertUnwindSafe(|| job(&connection)));
+                    let _ = catch_unwind(AssertUnwindSafe(|| job(&session)));
                 }
             })?;
         }
@@ -106,11 +109,11 @@ impl Readers {
     pub async fn run<T, F>(&self, job: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         let (reply, result) = oneshot::channel();
         self.jobs
-            .send(Box::new(move |connection: &Connection| {
+            .send(Box::new(move |connection: &Session<'_, '_>| {
                 // The caller may have stopped waiting (a cancelled request):
                 // the work is done all the same, only the answer is dropped.
                 let _ = reply.send(job(connection));
@@ -148,13 +151,13 @@ impl PointReaders {
     /// Runs `job` on an idle connection, or gives it back when none is.
     pub fn try_run<T, F>(&self, job: F) -> Result<StoreResult<T>, F>
     where
-        F: FnOnce(&Connection) -> StoreResult<T>,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T>,
     {
         let Some(connection) = self.idle.lock().ok().and_then(|mut idle| idle.pop()) else { return Err(job) };
         // Given back even when `job` panics (a bug): the connection holds no
         // open transaction once a statement is done or dropped.
         let borrowed = Borrowed { pool: self, connection: Some(connection) };
-        Ok(job(borrowed.connection.as_ref().expect("held until dropped")))
+        Ok(job(&Session::borrowed(borrowed.connection.as_ref().expect("held until dropped"))))
     }
 }
 
@@ -180,7 +183,7 @@ type Committed = Box<dyn FnOnce(Result<(), String>) + Send>;
 /// and returns what to do once committed, or `None` when it failed (it has
 /// answered its caller then, and its changes are rolled back). Given an
 /// error (the group's transaction could not begin), it answers with it.
-type WriteBody = Box<dyn FnOnce(Result<&Connection, &str>) -> Option<Committed> + Send>;
+type WriteBody = Box<dyn FnOnce(Result<&Session<'_, '_>, &str>) -> Option<Committed> + Send>;
 
 struct WriteJob {
     body: WriteBody,
@@ -295,6 +298,8 @@ impl Writer {
             connection.wal_hook(Some(note_wal_pages));
         }
         std::thread::Builder::new().name(name.to_string()).spawn(move || {
+            let statements = Statements::default();
+            let session = Session::new(&connection, &statements);
             let mut group = Group::default();
             let mut open = true;
             let mut synced = false;
@@ -326,7 +331,7 @@ impl Writer {
                         Err(error) => tracing::error!(%error, "setting SQLite's synchronous level failed"),
                     }
                 }
-                commit_group(&connection, group.drain());
+                commit_group(&session, group.drain());
                 if let Some(limit) = wal_limit
                     && WAL_PAGES.get() > limit
                 {
@@ -351,7 +356,7 @@ impl Writer {
     pub async fn write<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         self.submit(body, false).await
     }
@@ -361,7 +366,7 @@ impl Writer {
     pub async fn write_deferred<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         self.submit(body, true).await
     }
@@ -369,10 +374,10 @@ impl Writer {
     async fn submit<T, F>(&self, body: F, deferred: bool) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         let (reply, result) = oneshot::channel::<StoreResult<T>>();
-        let body = Box::new(move |connection: Result<&Connection, &str>| {
+        let body = Box::new(move |connection: Result<&Session<'_, '_>, &str>| {
             let outcome = match connection {
                 Ok(connection) => body(connection),
                 Err(reason) => Err(StoreError::Database(reason.to_string())),
@@ -435,7 +440,7 @@ impl Group {
 /// Runs a group of writes in one transaction (each that joins it in a
 /// savepoint), commits, and tells the writes that succeeded how the commit
 /// went.
-fn commit_group(connection: &Connection, group: impl ExactSizeIterator<Item = WriteBody>) {
+fn commit_group(connection: &Session<'_, '_>, group: impl ExactSizeIterator<Item = WriteBody>) {
     let mut waiting: Vec<Committed> = Vec::with_capacity(group.len());
     for job in group {
         // A write that opens the transaction needs no savepoint: if it
@@ -484,7 +489,7 @@ fn commit_group(connection: &Connection, group: impl ExactSizeIterator<Item = Wr
 }
 
 /// Rolls the group's transaction back and tells each write waiting in it.
-fn abandon(connection: &Connection, waiting: &mut Vec<Committed>, reason: &str) {
+fn abandon(connection: &Session<'_, '_>, waiting: &mut Vec<Committed>, reason: &str) {
     // Already rolled back when SQLite did it itself; nothing to undo then.
     let _ = execute(connection, "ROLLBACK");
     for committed in waiting.drain(..) {
@@ -492,8 +497,8 @@ fn abandon(connection: &Connection, waiting: &mut Vec<Committed>, reason: &str) 
     }
 }
 
-fn execute(connection: &Connection, statement: &str) -> rusqlite::Result<()> {
-    connection.prepare_cached(statement)?.execute([])?;
+fn execute(connection: &Session<'_, '_>, statement: &'static str) -> rusqlite::Result<()> {
+    connection.cached(statement)?.execute([])?;
     Ok(())
 }
 
@@ -581,7 +586,7 @@ mod tests {
         (Writer::start("test-writer", connection, None, WalLength::default(), false).expect("starts"), commits)
     }
 
-    fn insert(value: i64) -> impl FnOnce(&Connection) -> StoreResult<usize> + Send + 'static {
+    fn insert(value: i64) -> impl FnOnce(&Session<'_, '_>) -> StoreResult<usize> + Send + 'static {
         move |connection| Ok(connection.execute("INSERT INTO t VALUES (?)", [value])?)
     }
 
@@ -594,7 +599,7 @@ mod tests {
         };
         let point = PointReaders::new(vec![open(), open()]);
         let count =
-            |c: &Connection| -> StoreResult<i64> { Ok(c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))?) };
+            |c: &Session<'_, '_>| -> StoreResult<i64> { Ok(c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))?) };
         // Two connections: two nested reads get one each, a third none.
         let nested = point.try_run(|_| {
             let inner = point.try_run(|_| Ok(point.try_run(count).is_err()));
@@ -669,7 +674,7 @@ mod tests {
         // Hold the writer so the next writes queue up and go as one group.
         let busy = hold(&writer, Duration::from_millis(100)).await;
         let failing = |value: i64| {
-            move |connection: &Connection| -> StoreResult<usize> {
+            move |connection: &Session<'_, '_>| -> StoreResult<usize> {
                 connection.execute("INSERT INTO t VALUES (?)", [value])?;
                 Err(StoreError::Conflict("refused after writing".into()))
             }
