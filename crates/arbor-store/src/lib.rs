@@ -188,7 +188,11 @@ pub trait Store: Send + Sync + 'static {
 
     // ---- events ----
 
-    /// Appends events (already numbered) in one transaction.
+    /// Appends events (already numbered) in one transaction. Events of a
+    /// conversation that no longer exists are dropped (they would have been
+    /// deleted with it; a turn cancelled by the deletion still reports its
+    /// end), and the rest of the batch, other conversations' events, is
+    /// stored: one deleted conversation must not cost the others theirs.
     async fn append_events(&self, events: &[Event]) -> StoreResult<()>;
     /// Appends events of one conversation numbered by the database: after
     /// the highest stored `seq`, in one transaction that holds the

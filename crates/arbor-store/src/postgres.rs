@@ -498,11 +498,16 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
     let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
     let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
     let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
+    // Events of a conversation that no longer exists are left out (see
+    // `Store::append_events`). A deletion that commits between this check
+    // and the row's foreign key check still fails the batch (`NotFound`);
+    // the event writer's retry then leaves that conversation out.
     sqlx::query(concat!(
         "INSERT INTO events (",
         event_columns!(),
         ") SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::text[], \
-         $5::text[], $6::bigint[])"
+         $5::text[], $6::bigint[]) AS batch (conversation_id, seq, turn_id, name, data, created_at) \
+         WHERE EXISTS (SELECT 1 FROM conversations WHERE conversations.id = batch.conversation_id)"
     ))
     .bind(conversation_ids)
     .bind(seqs)

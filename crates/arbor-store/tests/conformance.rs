@@ -760,13 +760,27 @@ async fn story_events_replay_in_order(store: Arc<dyn Store>) {
     assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
     assert_eq!(store.last_event_seq("c1").await.expect("seq"), 5);
     assert_eq!(store.events_after("c1", 2, 1).await.expect("page")[0].data.as_ref(), payloads[2]);
-    assert!(matches!(store.append_events(&[event("c404", 1, "{}")]).await, Err(StoreError::NotFound)));
+    // Events of a conversation that is gone are dropped, and the rest of
+    // their batch is stored.
+    store.append_events(&[event("c404", 1, "{}")]).await.expect("nothing to store");
+    assert!(store.events_after("c404", 0, 10).await.expect("none").is_empty());
+    store.delete_conversation("alice", "c2").await.expect("deleted");
+    store
+        .append_events(&[event("c2", 2, r#"{"late":true}"#), event("c404", 2, "{}")])
+        .await
+        .expect("only events of missing conversations");
+    let mut kept = event("c1", 6, r#"{"kept":true}"#);
+    kept.turn_id = None;
+    let mixed = [event("c2", 3, "{}"), kept.clone(), event("c404", 3, "{}")];
+    store.append_events(&mixed).await.expect("the others are stored");
+    assert_eq!(store.events_after("c1", 5, 10).await.expect("tail"), vec![kept]);
+    assert!(store.events_after("c2", 0, 10).await.expect("gone").is_empty());
 
-    let mut untagged = event("c1", 6, r#"{"turn_id":null}"#);
+    let mut untagged = event("c1", 7, r#"{"turn_id":null}"#);
     untagged.turn_id = None;
     untagged.name = EventName::HeadMoved;
     store.append_events(std::slice::from_ref(&untagged)).await.expect("no turn");
-    assert_eq!(store.events_after("c1", 5, 10).await.expect("tail"), vec![untagged]);
+    assert_eq!(store.events_after("c1", 6, 10).await.expect("tail"), vec![untagged]);
 }
 
 // ------------------------------------------- several nodes: notices, quota, leases

@@ -545,17 +545,26 @@ const TURN_UPDATE: &str = "UPDATE turns SET status = ?, model = ?, iterations = 
 /// handful of events a turn writes it cost more than the statements it
 /// saved: 1,117 k → 1,085 k instructions per JSON turn
 /// (`bench/profile.sh`), level at 1,000 turns/s.
+///
+/// An event whose conversation is gone fails alone (SQLite undoes a failed
+/// statement by itself) and is skipped: see [`Store::append_events`].
 fn insert_events(connection: &Session<'_, '_>, events: &[Event]) -> StoreResult<()> {
     let mut statement = connection.cached(EVENT_INSERT)?;
     for event in events {
-        statement.execute(params![
+        let inserted = statement.execute(params![
             &*event.conversation_id,
             event.seq,
             event.turn_id.as_deref(),
             event.name.as_str(),
             &*event.data,
             event.created_at,
-        ])?;
+        ]);
+        match inserted {
+            Ok(_) => {}
+            Err(rusqlite::Error::SqliteFailure(error, _))
+                if error.extended_code == ffi::SQLITE_CONSTRAINT_FOREIGNKEY => {}
+            Err(error) => return Err(error.into()),
+        }
     }
     Ok(())
 }
