@@ -37,13 +37,14 @@ close_work() {
 }
 
 # Starts the OpenAI mock on core 1 (20 chunks, TCP_NODELAY like a real
-# provider) on port 9100, and writes $WORK/arbor.toml: SQLite in $WORK and
-# the model `mock-0` served by that mock. SQLITE_SYNC=full makes every
-# commit fsync (see the store's `Durability`).
-start_mock0() {
+# provider) on port 9100, answering after DELAY_MS (default 0), and writes
+# $WORK/arbor.toml: SQLite in $WORK and the model `mock-0` served by that
+# mock. SQLITE_SYNC=full makes every commit fsync (see the store's
+# `Durability`).
+start_mock0() { # [DELAY_MS]
   gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
   LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 \
-    >"$WORK/mock.log" 2>&1 &
+    --delay-ms "${1:-0}" >"$WORK/mock.log" 2>&1 &
   PIDS+=($!)
   {
     printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db%s"\n' "$WORK" \

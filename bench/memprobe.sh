@@ -20,14 +20,8 @@ RATE=${2:-2000}
 SECONDS_MEASURED=${3:-12}
 source "$ROOT/bench/common.sh"
 open_work memprobe
-gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
-LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 --delay-ms 60 \
-  >"$WORK/mock.log" 2>&1 &
-PIDS+=($!)
-{
-  printf 'default_model = "mock-0"\n%s\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db"\n' "${EXTRA_TOML:-}" "$WORK"
-  mock_model_toml mock-0 mock0 9100
-} >"$WORK/arbor.toml"
+start_mock0 60
+if [[ -n ${EXTRA_TOML:-} ]]; then printf '\n%s\n' "$EXTRA_TOML" >>"$WORK/arbor.toml"; fi
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \

@@ -205,6 +205,20 @@ impl Hubs {
         (self.map.len() / 2).max(HUB_SWEEP_MIN.min(self.idle_kept)).max(1)
     }
 
+    /// The conversation's hub, adding the one `make` builds when none is
+    /// loaded (sweeping first when the map has grown enough).
+    fn get_or_insert(&mut self, conversation_id: &str, make: impl FnOnce() -> Arc<Hub>) -> Arc<Hub> {
+        if let Some(hub) = self.map.get(conversation_id) {
+            return hub.clone();
+        }
+        if self.map.len() >= self.sweep_at {
+            self.sweep();
+        }
+        let hub = make();
+        self.map.insert(conversation_id.to_string(), hub.clone());
+        hub
+    }
+
     /// Drops the hubs that can go without losing anything (see [`Hub::idle_since`]) and that nobody
     /// else holds: those quiet for `HUB_IDLE`, then the longest quiet until `idle_kept` are left.
     fn sweep(&mut self) {
@@ -296,8 +310,15 @@ impl Engine {
         &self.inner.models
     }
 
-    pub fn metrics(&self) -> &metrics::Metrics {
-        &self.inner.metrics
+    /// The `/metrics` text: the counters and histograms, and the
+    /// conversations loaded in memory now.
+    pub fn render_metrics(&self) -> String {
+        let loaded = self.loaded_conversations() as u64;
+        self.inner.metrics.render(&[(
+            "arbor_conversations_loaded",
+            "Conversations held in memory (busy, or quiet and kept).",
+            loaded,
+        )])
     }
 
     pub fn limits(&self) -> &Limits {
@@ -500,15 +521,8 @@ impl Engine {
             return Ok(hub);
         }
         let last_seq = self.inner.store.last_event_seq(conversation_id).await?;
-        let mut hubs = lock(&self.inner.hubs);
-        if hubs.map.len() >= hubs.sweep_at {
-            hubs.sweep();
-        }
-        let hub = hubs
-            .map
-            .entry(conversation_id.to_string())
-            .or_insert_with(|| Hub::new(conversation_id, last_seq, self.inner.writer.clone(), self.inner.numbering()));
-        Ok(hub.clone())
+        let make = || Hub::new(conversation_id, last_seq, self.inner.writer.clone(), self.inner.numbering());
+        Ok(lock(&self.inner.hubs).get_or_insert(conversation_id, make))
     }
 
     fn hub_if_loaded(&self, conversation_id: &str) -> Option<Arc<Hub>> {
@@ -616,18 +630,9 @@ mod tests {
     use super::*;
     use crate::writer::EventWriter;
 
-    async fn writer() -> EventWriter {
-        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
-        EventWriter::start(Arc::new(store)).0
-    }
-
+    /// Loads a hub the way `Engine::hub` does.
     fn load(hubs: &mut Hubs, writer: &EventWriter, id: &str) -> Arc<Hub> {
-        if hubs.map.len() >= hubs.sweep_at {
-            hubs.sweep();
-        }
-        let hub = Hub::new(id, 0, writer.clone(), hub::Numbering::Local);
-        hubs.map.insert(id.to_string(), hub.clone());
-        hub
+        hubs.get_or_insert(id, || Hub::new(id, 0, writer.clone(), hub::Numbering::Local))
     }
 
     fn loaded(hubs: &Hubs) -> Vec<&str> {
@@ -638,7 +643,7 @@ mod tests {
 
     #[tokio::test]
     async fn quiet_conversations_beyond_the_limit_leave_memory_longest_quiet_first() {
-        let writer = writer().await;
+        let writer = EventWriter::in_memory().await;
         let mut hubs = Hubs::new(2);
         // c0 has a viewer and c1 is held by a request: neither may go.
         let c0 = load(&mut hubs, &writer, "c0");
@@ -663,7 +668,7 @@ mod tests {
 
     #[tokio::test]
     async fn sweeps_come_often_enough_to_hold_the_limit_and_seldom_enough_to_stay_cheap() {
-        let writer = writer().await;
+        let writer = EventWriter::in_memory().await;
         let mut hubs = Hubs::new(8);
         let mut peak = 0;
         for index in 0..2000 {

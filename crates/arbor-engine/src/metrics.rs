@@ -70,7 +70,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn render(&self) -> String {
+    /// Prometheus text of the counters and histograms, then `gauges`
+    /// (name, help, value) read from the engine's state at the time.
+    pub fn render(&self, gauges: &[(&str, &str, u64)]) -> String {
         let mut out = String::new();
         self.turn_overhead.render(
             "arbor_turn_overhead_seconds",
@@ -82,6 +84,11 @@ impl Metrics {
         let _ =
             writeln!(out, "arbor_turns_total{{status=\"succeeded\"}} {}", self.turns_succeeded.load(Ordering::Relaxed));
         let _ = writeln!(out, "arbor_turns_total{{status=\"other\"}} {}", self.turns_failed.load(Ordering::Relaxed));
+        for (name, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            let _ = writeln!(out, "{name} {value}");
+        }
         out
     }
 }

@@ -738,9 +738,7 @@ mod tests {
 
     /// A hub numbering its events in memory, with a real event writer.
     async fn hub() -> Arc<Hub> {
-        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
-        let (writer, _task) = EventWriter::start(Arc::new(store));
-        Hub::new("c1", 0, writer, Numbering::Local)
+        Hub::new("c1", 0, EventWriter::in_memory().await, Numbering::Local)
     }
 
     fn events_of(hub: &Hub) -> Vec<(EventName, serde_json::Value)> {

@@ -61,6 +61,13 @@ impl EventWriter {
         let _ = self.sender.send(Message::Unnumbered(event, hub));
     }
 
+    /// A writer to an in-memory SQLite store (tests).
+    #[cfg(test)]
+    pub(crate) async fn in_memory() -> EventWriter {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        EventWriter::start(Arc::new(store)).0
+    }
+
     /// Waits until everything sent before this call is stored.
     pub(crate) async fn flush(&self) {
         let (done, wait) = oneshot::channel();

@@ -25,11 +25,7 @@ async fn health() -> impl IntoResponse {
 /// Prometheus text: turn overhead and duration histograms, turn counts, the
 /// conversations loaded in memory. Aggregates only, so it needs no key.
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let mut text = state.engine.metrics().render();
-    let loaded = state.engine.loaded_conversations();
-    text.push_str("# HELP arbor_conversations_loaded Conversations held in memory (busy, or quiet and kept).\n");
-    text.push_str(&format!("# TYPE arbor_conversations_loaded gauge\narbor_conversations_loaded {loaded}\n"));
-    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.engine.render_metrics())
 }
 
 async fn models(State(state): State<AppState>, Caller(_user): Caller) -> impl IntoResponse {
