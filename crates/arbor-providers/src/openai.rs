@@ -8,7 +8,8 @@
 //! small ways, and the parser is deliberately lenient about them: reasoning
 //! as `reasoning_content` or `reasoning`, tool calls without ids or indexes,
 //! usage that leaves hidden reasoning out of `completion_tokens`, an error
-//! object inside a 200 stream. The wire types are private to this file.
+//! object inside a 200 stream. The wire types are private to this file and
+//! its [`plain`] reader of the usual stream chunk.
 
 use std::fmt;
 
@@ -24,6 +25,8 @@ use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider, ToolSpec};
+
+mod plain;
 
 /// The provider kind, also the owner of opaque data this adapter produces.
 const KIND: &str = "openai";
@@ -485,7 +488,7 @@ fn wire_tool_call(call: &ToolCall, send_signatures: bool) -> WireToolCall<'_> {
 // ---------------------------------------------------------------------------
 // Response wire types (lenient: compatible servers omit and add fields)
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug, PartialEq)]
 #[serde(default)]
 struct WireChunk {
     choices: FirstChoice,
@@ -496,7 +499,7 @@ struct WireChunk {
 /// Choice 0 of the `choices` list. With n > 1 the others are alternatives
 /// nobody asked Arbor for: they are read past, and no list is built for the
 /// one that matters, chunk after chunk.
-#[derive(Default)]
+#[derive(Default, Debug, PartialEq)]
 struct FirstChoice(Option<WireChoice>);
 
 impl<'de> Deserialize<'de> for FirstChoice {
@@ -523,7 +526,7 @@ impl<'de> Deserialize<'de> for FirstChoice {
     }
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug, PartialEq)]
 #[serde(default)]
 struct WireChoice {
     index: Option<u64>,
@@ -543,7 +546,7 @@ impl WireChoice {
 }
 
 /// A stream delta or a complete message: the same fields, whole or in part.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug, PartialEq)]
 #[serde(default)]
 struct WireDelta {
     /// A string, or (Mistral) a list of text and thinking parts.
@@ -558,7 +561,7 @@ struct WireDelta {
     thought_signature: Option<String>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug, PartialEq)]
 #[serde(default)]
 struct WireToolCallDelta {
     index: Option<u64>,
@@ -567,7 +570,7 @@ struct WireToolCallDelta {
     extra_content: Option<Value>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Debug, PartialEq)]
 #[serde(default)]
 struct WireFunctionDelta {
     name: Option<String>,
@@ -575,7 +578,7 @@ struct WireFunctionDelta {
     arguments: Option<Value>,
 }
 
-#[derive(Deserialize, Default, Clone, Copy)]
+#[derive(Deserialize, Default, Clone, Copy, Debug, PartialEq)]
 #[serde(default)]
 struct WireUsage {
     prompt_tokens: Option<u64>,
@@ -587,13 +590,13 @@ struct WireUsage {
     prompt_cache_hit_tokens: Option<u64>,
 }
 
-#[derive(Deserialize, Default, Clone, Copy)]
+#[derive(Deserialize, Default, Clone, Copy, Debug, PartialEq)]
 #[serde(default)]
 struct WirePromptDetails {
     cached_tokens: Option<u64>,
 }
 
-#[derive(Deserialize, Default, Clone, Copy)]
+#[derive(Deserialize, Default, Clone, Copy, Debug, PartialEq)]
 #[serde(default)]
 struct WireCompletionDetails {
     reasoning_tokens: Option<u64>,
@@ -864,7 +867,11 @@ impl Decode for StreamDecoder {
             self.done = true;
             return self.close();
         }
-        let chunk: WireChunk = match serde_json::from_str(data) {
+        let parsed = match plain::read(data) {
+            Some(chunk) => Ok(chunk),
+            None => serde_json::from_str::<WireChunk>(data),
+        };
+        let chunk = match parsed {
             Ok(chunk) => chunk,
             Err(error) => {
                 return vec![Err(ProviderError::new(

@@ -1,0 +1,521 @@
+//! A direct reader for the chunk that makes up nearly all of a stream: a
+//! choice whose delta holds text, or nothing, or a finish reason.
+//!
+//! serde_json reads such a chunk (~200–350 bytes, most of them fields
+//! Arbor ignores: id, model, fingerprint) in ~6,000 instructions, through
+//! its visitors and a `Value` for the text; a turn of 20 chunks spent more
+//! on that than on any other single thing outside SQLite
+//! (bench/profile.md). This reader walks the bytes once and builds the same
+//! [`WireChunk`] in ~4,200 (the benchmark's chunks, callgrind). It reads only what it is sure of and answers `None` for
+//! anything else — tool calls, reasoning, usage, a refusal, an error, an
+//! escaped key, a duplicate field, malformed JSON — and the caller then asks
+//! serde_json, whose answer (a chunk or an error) is the one that counts.
+//! So the two never disagree: where this one answers, it answers what
+//! serde_json would (the tests check every recorded chunk and mutations of
+//! them).
+
+use serde_json::Value;
+
+use super::{FirstChoice, WireChoice, WireChunk, WireDelta};
+
+/// Nesting this reader follows inside ignored values; deeper is serde's.
+const MAX_DEPTH: usize = 16;
+
+/// The chunk, when it is plain; `None` when serde_json must decide.
+pub(super) fn read(data: &str) -> Option<WireChunk> {
+    let mut reader = Reader { text: data, bytes: data.as_bytes(), at: 0 };
+    let chunk = reader.chunk()?;
+    reader.space();
+    (reader.at == reader.bytes.len()).then_some(chunk)
+}
+
+struct Reader<'a> {
+    text: &'a str,
+    bytes: &'a [u8],
+    at: usize,
+}
+
+/// Fields a struct knows, each allowed once (serde refuses a duplicate).
+#[derive(Default)]
+struct Seen(u8);
+
+impl Seen {
+    fn first(&mut self, bit: u8) -> Option<()> {
+        let new = self.0 & bit == 0;
+        self.0 |= bit;
+        new.then_some(())
+    }
+}
+
+impl<'a> Reader<'a> {
+    fn chunk(&mut self) -> Option<WireChunk> {
+        let mut chunk = WireChunk::default();
+        let mut seen = Seen::default();
+        self.object(|reader, key| match key {
+            "choices" => {
+                seen.first(1)?;
+                chunk.choices = reader.choices()?;
+                Some(())
+            }
+            // Usage and errors are serde's; absent or null they are None.
+            "usage" => seen.first(2).and_then(|()| reader.null()),
+            "error" => seen.first(4).and_then(|()| reader.null()),
+            _ => reader.skip(0),
+        })?;
+        Some(chunk)
+    }
+
+    fn choices(&mut self) -> Option<FirstChoice> {
+        let mut first = None;
+        self.list(|reader| {
+            let choice = reader.choice()?;
+            if first.is_none() && choice.index.unwrap_or(0) == 0 {
+                first = Some(choice);
+            }
+            Some(())
+        })?;
+        Some(FirstChoice(first))
+    }
+
+    fn choice(&mut self) -> Option<WireChoice> {
+        let mut choice = WireChoice::default();
+        let mut seen = Seen::default();
+        self.object(|reader, key| match key {
+            "index" => {
+                seen.first(1)?;
+                choice.index = if reader.null().is_some() { None } else { Some(reader.index()?) };
+                Some(())
+            }
+            "delta" => {
+                seen.first(2)?;
+                choice.delta = if reader.null().is_some() { None } else { Some(reader.delta()?) };
+                Some(())
+            }
+            "finish_reason" => {
+                seen.first(4)?;
+                choice.finish_reason = if reader.null().is_some() { None } else { Some(reader.string()?) };
+                Some(())
+            }
+            "message" => seen.first(8).and_then(|()| reader.null()),
+            _ => reader.skip(0),
+        })?;
+        Some(choice)
+    }
+
+    fn delta(&mut self) -> Option<WireDelta> {
+        let mut delta = WireDelta::default();
+        let mut seen = Seen::default();
+        self.object(|reader, key| match key {
+            "content" => {
+                seen.first(1)?;
+                if reader.null().is_none() {
+                    delta.content = Some(Value::String(reader.string()?));
+                }
+                Some(())
+            }
+            "reasoning_content" => seen.first(2).and_then(|()| reader.null()),
+            "reasoning" => seen.first(4).and_then(|()| reader.null()),
+            "refusal" => seen.first(8).and_then(|()| reader.null()),
+            "tool_calls" => seen.first(16).and_then(|()| reader.null()),
+            "thought_signature" => seen.first(32).and_then(|()| reader.null()),
+            _ => reader.skip(0),
+        })?;
+        Some(delta)
+    }
+
+    /// `{ "key": value, ... }`, each value read by `field`.
+    fn object(&mut self, mut field: impl FnMut(&mut Self, &'a str) -> Option<()>) -> Option<()> {
+        self.expect(b'{')?;
+        if self.next_is(b'}') {
+            return Some(());
+        }
+        loop {
+            let key = self.key()?;
+            self.expect(b':')?;
+            field(self, key)?;
+            if !self.next_is(b',') {
+                return self.expect(b'}');
+            }
+        }
+    }
+
+    /// `[ value, ... ]`, each value read by `element`.
+    fn list(&mut self, mut element: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.expect(b'[')?;
+        if self.next_is(b']') {
+            return Some(());
+        }
+        loop {
+            element(self)?;
+            if !self.next_is(b',') {
+                return self.expect(b']');
+            }
+        }
+    }
+
+    /// Reads past any JSON value, checking it as serde_json would.
+    fn skip(&mut self, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.space();
+        match *self.bytes.get(self.at)? {
+            b'{' => self.object(|reader, _| reader.skip(depth + 1)),
+            b'[' => self.list(|reader| reader.skip(depth + 1)),
+            b'"' => match self.raw_string()? {
+                // serde_json checks the escapes of a string it ignores.
+                (raw, true) => unescape(raw).map(drop),
+                (_, false) => Some(()),
+            },
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            _ => self.number().map(drop),
+        }
+    }
+
+    /// `null`, consumed; `None` (nothing consumed) for anything else.
+    fn null(&mut self) -> Option<()> {
+        self.space();
+        self.literal(b"null")
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        let found = self.bytes.get(self.at..self.at + word.len())? == word;
+        found.then(|| self.at += word.len())
+    }
+
+    /// A choice's index: a non-negative integer that fits a u64.
+    fn index(&mut self) -> Option<u64> {
+        let (digits, integer) = self.number()?;
+        if !integer || digits.starts_with('-') || digits.len() > 19 {
+            return None;
+        }
+        digits.parse().ok()
+    }
+
+    /// A JSON number's text, and whether it is a plain integer.
+    fn number(&mut self) -> Option<(&'a str, bool)> {
+        self.space();
+        let start = self.at;
+        if self.peek() == Some(b'-') {
+            self.at += 1;
+        }
+        match self.peek()? {
+            b'0' => self.at += 1,
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        let mut integer = true;
+        if self.peek() == Some(b'.') {
+            self.at += 1;
+            self.one_or_more_digits()?;
+            integer = false;
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.at += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.at += 1;
+            }
+            self.one_or_more_digits()?;
+            integer = false;
+        }
+        // Only ASCII was consumed: both ends are char boundaries.
+        Some((&self.text[start..self.at], integer))
+    }
+
+    fn one_or_more_digits(&mut self) -> Option<()> {
+        let start = self.at;
+        self.digits();
+        (self.at > start).then_some(())
+    }
+
+    fn digits(&mut self) {
+        while self.peek().is_some_and(|byte| byte.is_ascii_digit()) {
+            self.at += 1;
+        }
+    }
+
+    /// An object key: a string without escapes (serde would unescape one;
+    /// such a key is left to it).
+    fn key(&mut self) -> Option<&'a str> {
+        match self.raw_string()? {
+            (text, false) => Some(text),
+            (_, true) => None,
+        }
+    }
+
+    /// A string value, unescaped.
+    fn string(&mut self) -> Option<String> {
+        let (raw, escaped) = self.raw_string()?;
+        if escaped { unescape(raw) } else { Some(raw.to_owned()) }
+    }
+
+    /// A string's text between its quotes, still escaped, and whether it
+    /// holds escapes. Control characters are not allowed in it.
+    fn raw_string(&mut self) -> Option<(&'a str, bool)> {
+        self.expect(b'"')?;
+        let (bytes, start) = (self.bytes, self.at);
+        let mut at = start;
+        let mut escaped = false;
+        // Eight bytes at a time: the strings are short (keys, ids, a few
+        // words of text), too short for a vectorised search to pay for its
+        // setup, and a word's first special byte is found exactly.
+        loop {
+            while let Some(&word) = bytes[at..].first_chunk::<8>() {
+                let found = special(u64::from_le_bytes(word));
+                if found != 0 {
+                    at += (found.trailing_zeros() / 8) as usize;
+                    break;
+                }
+                at += 8;
+            }
+            match *bytes.get(at)? {
+                b'"' => break,
+                b'\\' => {
+                    // The backslash and the character it escapes (\u's
+                    // digits are checked when unescaping).
+                    escaped = true;
+                    at += 2;
+                }
+                0..0x20 => return None,
+                // Only in the last seven bytes of the input.
+                _ => at += 1,
+            }
+        }
+        self.at = at + 1;
+        // Both ends are quotes (ASCII), so both are char boundaries.
+        Some((&self.text[start..at], escaped))
+    }
+
+    fn expect(&mut self, byte: u8) -> Option<()> {
+        self.next_is(byte).then_some(())
+    }
+
+    /// Consumes `byte` (after whitespace) if it comes next.
+    fn next_is(&mut self, byte: u8) -> bool {
+        self.space();
+        let found = self.peek() == Some(byte);
+        if found {
+            self.at += 1;
+        }
+        found
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.at).copied()
+    }
+
+    fn space(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+            self.at += 1;
+        }
+    }
+}
+
+/// The bytes of `word` (little-endian) that end a string's plain run — a
+/// quote, a backslash or a control character (below 0x20) — as the high
+/// bit of each. The usual zero-byte test: `(x - n * 0x01..) & !x & 0x80..`
+/// flags a byte below `n` (for `n` ≤ 0x80); a borrow can flag bytes above
+/// a flagged one, never below, so the lowest flag is the first such byte.
+fn special(word: u64) -> u64 {
+    const ONES: u64 = u64::MAX / 255;
+    const HIGHS: u64 = ONES * 0x80;
+    let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGHS;
+    below(word ^ (ONES * u64::from(b'"')), 1) | below(word ^ (ONES * u64::from(b'\\')), 1) | below(word, 0x20)
+}
+
+/// A string's escapes resolved; `None` for an escape JSON does not have or
+/// a surrogate without its pair (serde_json's call).
+fn unescape(raw: &str) -> Option<String> {
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(backslash) = rest.find('\\') {
+        out.push_str(&rest[..backslash]);
+        let escape = rest.as_bytes().get(backslash + 1)?;
+        rest = &rest[backslash + 2..];
+        let decoded = match escape {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let high = hex4(&mut rest)?;
+                match high {
+                    0xD800..=0xDBFF => {
+                        rest = rest.strip_prefix("\\u")?;
+                        let low = hex4(&mut rest)?;
+                        if !(0xDC00..=0xDFFF).contains(&low) {
+                            return None;
+                        }
+                        char::from_u32(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))?
+                    }
+                    _ => char::from_u32(high)?,
+                }
+            }
+            _ => return None,
+        };
+        out.push(decoded);
+    }
+    out.push_str(rest);
+    Some(out)
+}
+
+/// Four hex digits off the front of `rest`.
+fn hex4(rest: &mut &str) -> Option<u32> {
+    let digits = rest.get(..4)?;
+    if !digits.bytes().all(|byte| byte.is_ascii_hexdigit()) {
+        return None;
+    }
+    *rest = &rest[4..];
+    u32::from_str_radix(digits, 16).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Both readers on one chunk: where this one answers, serde_json must
+    /// answer the same chunk.
+    fn agree(data: &str) -> bool {
+        let Some(plain) = read(data) else { return false };
+        let serde: WireChunk = serde_json::from_str(data)
+            .unwrap_or_else(|error| panic!("plain read a chunk serde refuses ({error}): {data}"));
+        assert_eq!(plain, serde, "the readers disagree on {data}");
+        true
+    }
+
+    fn recorded_chunks() -> &'static [String] {
+        static CHUNKS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+        CHUNKS.get_or_init(read_recorded_chunks)
+    }
+
+    fn read_recorded_chunks() -> Vec<String> {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers");
+        let mut chunks = Vec::new();
+        for folder in ["openai", "openai-compatible"] {
+            let Ok(entries) = std::fs::read_dir(format!("{root}/{folder}")) else { continue };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if path.extension().is_some_and(|extension| extension == "sse") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    chunks.extend(
+                        text.lines()
+                            .filter_map(|line| line.strip_prefix("data:"))
+                            .map(|data| data.trim().to_owned())
+                            .filter(|data| data.starts_with('{')),
+                    );
+                }
+            }
+        }
+        chunks
+    }
+
+    #[test]
+    fn recorded_text_chunks_read_as_serde_reads_them() {
+        let chunks = recorded_chunks();
+        assert!(chunks.len() > 100, "the recorded streams were not found ({} chunks)", chunks.len());
+        let plain = chunks.iter().filter(|chunk| agree(chunk)).count();
+        // Most recorded chunks are text deltas; the rest (tool calls,
+        // reasoning, usage) are serde's.
+        assert!(plain * 2 > chunks.len(), "only {plain} of {} chunks were read directly", chunks.len());
+    }
+
+    #[test]
+    fn text_escapes_and_finish_reasons_read_whole() {
+        let chunk = read(
+            r#"{"id":"x","created":1,"choices":[{"index":0,"delta":{"role":"assistant","content":"a\"b\\\n\u00e9\ud83d\ude00/\/"},"logprobs":null,"finish_reason":null}],"usage":null}"#,
+        )
+        .unwrap();
+        let delta = chunk.choices.0.as_ref().unwrap().delta.as_ref().unwrap();
+        assert_eq!(delta.content, Some(Value::String("a\"b\\\né😀//".into())));
+        let end = read(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#).unwrap();
+        assert_eq!(end.choices.0.unwrap().finish_reason.as_deref(), Some("stop"));
+    }
+
+    #[test]
+    fn what_it_is_not_sure_of_is_left_to_serde() {
+        for data in [
+            // Tool calls, reasoning, a refusal, usage, an error.
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"refusal":"no"}}]}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1}}"#,
+            r#"{"error":{"message":"overloaded"}}"#,
+            // Content as a list of parts; a whole message.
+            r#"{"choices":[{"index":0,"delta":{"content":[{"type":"text","text":"a"}]}}]}"#,
+            r#"{"choices":[{"index":0,"message":{"content":"a"}}]}"#,
+            // A duplicate field, an escaped key, a lone surrogate, a raw
+            // control character, a bad number, trailing text, null choices.
+            r#"{"choices":[{"index":0,"delta":{"content":"a","content":"b"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"c\u006fntent":"a"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"\ud83d"}}]}"#,
+            "{\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\u{1}b\"}}]}",
+            r#"{"created":01,"choices":[]}"#,
+            r#"{"choices":[{"index":1.0,"delta":{}}]}"#,
+            r#"{"choices":[]} x"#,
+            r#"{"choices":null}"#,
+        ] {
+            assert!(read(data).is_none(), "read directly: {data}");
+        }
+    }
+
+    proptest! {
+        /// The lowest flag in a word is its first quote, backslash or
+        /// control character, and no flag means there is none.
+        #[test]
+        fn a_words_first_special_byte_is_found(word in prop::array::uniform8(prop::sample::select(
+            vec![0u8, 0x1f, 0x20, b'"', b'\\', b'!', b'#', b'[', b']', b'a', 0x7f, 0x80, 0xa0, 0xdc, 0xff],
+        ))) {
+            let first = word.iter().position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\');
+            let flags = special(u64::from_le_bytes(word));
+            let found = (flags != 0).then(|| (flags.trailing_zeros() / 8) as usize);
+            prop_assert_eq!(found, first, "{:?}", word);
+        }
+    }
+
+    #[test]
+    fn choice_zero_is_the_one_kept() {
+        let chunk = read(
+            r#"{"choices":[{"index":1,"delta":{"content":"other"}},{"delta":{"content":"mine"}},{"index":0,"delta":{"content":"late"}}]}"#,
+        )
+        .unwrap();
+        let delta = chunk.choices.0.unwrap().delta.unwrap();
+        assert_eq!(delta.content, Some(Value::String("mine".into())));
+        assert!(agree(r#"{"choices":[{"index":2,"delta":{"content":"x"}}]}"#));
+    }
+
+    proptest! {
+        /// Any edit of a recorded chunk — a byte replaced by one that means
+        /// something in JSON, or a span cut out — is read the same by both,
+        /// or left to serde.
+        #[test]
+        fn mutated_chunks_never_disagree(
+            pick in any::<prop::sample::Index>(),
+            at in any::<prop::sample::Index>(),
+            cut in 0usize..8,
+            byte in prop::sample::select(b"\"\\{}[],:0-.eE un\x01".to_vec()),
+        ) {
+            let chunks = recorded_chunks();
+            let chunk = pick.get(chunks);
+            let mut bytes = chunk.as_bytes().to_vec();
+            let at = at.index(bytes.len());
+            if cut == 0 {
+                bytes[at] = byte;
+            } else {
+                bytes.drain(at..(at + cut).min(bytes.len()));
+            }
+            if let Ok(data) = String::from_utf8(bytes) {
+                let Some(plain) = read(&data) else { return Ok(()) };
+                let serde = serde_json::from_str::<WireChunk>(&data);
+                prop_assert!(serde.is_ok(), "plain read a chunk serde refuses: {}", data);
+                prop_assert_eq!(plain, serde.unwrap());
+            }
+        }
+    }
+}
