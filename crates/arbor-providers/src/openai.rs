@@ -9,7 +9,7 @@
 //! as `reasoning_content` or `reasoning`, tool calls without ids or indexes,
 //! usage that leaves hidden reasoning out of `completion_tokens`, an error
 //! object inside a 200 stream. The wire types are private to this file and
-//! its [`plain`] reader of the usual stream chunk.
+//! its `plain` reader of the usual stream chunk.
 
 use std::fmt;
 
