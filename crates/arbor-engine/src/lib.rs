@@ -458,13 +458,25 @@ impl Engine {
         let conversation = self.conversation(user, conversation_id).await?;
         let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
         let api_calls = self.inner.store.api_calls(&turn.id).await?;
+        let of_turn = |event: &arbor_core::Event| event.turn_id.as_deref() == Some(turn.id.as_str());
         let mut events = Vec::new();
         let mut after = 0;
         loop {
             let page = self.inner.store.events_after(&conversation.id, after, 1000).await?;
-            let Some(last) = page.last() else { break };
-            after = last.seq;
-            events.extend(page.into_iter().filter(|event| event.turn_id.as_deref() == Some(turn.id.as_str())));
+            if let Some(last) = page.last() {
+                after = last.seq;
+                events.extend(page.into_iter().filter(of_turn));
+                continue;
+            }
+            // Events not stored yet (the event writer batches them) are in
+            // the hub's memory, which holds every one after the last
+            // stored, unless more were stored (and let go) since the read.
+            let Some(hub) = self.hub_if_loaded(&conversation.id) else { break };
+            let unstored = hub.subscribe(after);
+            if unstored.memory_from <= after + 1 {
+                events.extend(unstored.backlog.into_iter().filter(of_turn));
+                break;
+            }
         }
         Ok(TurnDetails { turn, api_calls, events })
     }
