@@ -64,7 +64,19 @@ use crate::{StoreError, StoreResult};
 const MAX_GROUP: usize = 64;
 
 /// How long a deferred write waits at most for another one to ride with.
-pub(super) const DEFERRED_WAIT: Duration = Duration::from_millis(5);
+///
+/// Long enough for the next turn's writes to come along at the rates where
+/// turns are tens of milliseconds apart: at 5 ms, from ~20 to a few
+/// hundred turns a second each turn's events were a commit of their own
+/// (one more wake-up of the writer, one more transaction); at 50 ms they
+/// ride in the next turn's commit, and at 100 turns/s the writer's CPU per
+/// turn fell by ~10% (`bench/threadstat.sh`, bench/analysis.md). Nothing
+/// waits on these writes, and they were never fsynced on their own (a
+/// power loss loses what came after the last durable commit either way),
+/// so what grows is what a crash of Arbor itself can lose: up to 50 ms of
+/// a running turn's events. Readers are not affected: the hub keeps every
+/// event until it is stored and serves it from memory meanwhile.
+pub(super) const DEFERRED_WAIT: Duration = Duration::from_millis(50);
 
 type ReadJob = Box<dyn FnOnce(&Session<'_, '_>) + Send>;
 
