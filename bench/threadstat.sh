@@ -62,6 +62,9 @@ print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
       f"fdatasync {total[(writer, 'syscalls:sys_enter_fdatasync')] / turns:.2f} "
       f"(checkpointer {sum(total[('arbor-sqlite-ch', 'syscalls:sys_enter_' + call)] for call in ('fsync', 'fdatasync')) / turns:.2f}); "
       f"context switches {sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
+switches = {t: v / turns for (t, e), v in total.items() if e == "context-switches" and v}
+print("context switches per turn by thread: " +
+      ", ".join(f"{thread} {n:.1f}" for thread, n in sorted(switches.items(), key=lambda item: -item[1])))
 worker = "tokio-rt-worker"
 print(f"worker per turn: pread {total[(worker, 'syscalls:sys_enter_pread64')] / turns:.2f}, "
       f"getrandom {total[(worker, 'syscalls:sys_enter_getrandom')] / turns:.2f}")
