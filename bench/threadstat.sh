@@ -39,11 +39,20 @@ sleep 5
 # window (/sys/class/block/DEV/stat: writes completed, sectors written, flushes).
 DISK=/sys/class/block/$(basename "$(df --output=source "$WORK" | tail -n1)")/stat
 cp "$DISK" "$WORK/disk.before" 2>/dev/null || true
+# Each thread's voluntary (it slept) and involuntary (it was preempted)
+# switches, from /proc, around the same window.
+switch_counts() {
+  for task in /proc/"$ARBOR_PID"/task/*; do
+    echo "$(cat "$task/comm") $(awk '/^(non)?voluntary_ctxt_switches/ {printf "%s ", $2}' "$task/status")"
+  done >"$1" 2>/dev/null || true
+}
+switch_counts "$WORK/switches.before"
 perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync,syscalls:sys_enter_pread64,syscalls:sys_enter_getrandom,task-clock,context-switches' --per-thread -p "$ARBOR_PID" \
   -o "$WORK/perf.txt" -- sleep 5
+switch_counts "$WORK/switches.after"
 cp "$DISK" "$WORK/disk.after" 2>/dev/null || true
 wait "$LOAD_PID"
-python3 - "$WORK/perf.txt" "$((RATE * 5))" "$WORK/disk.before" "$WORK/disk.after" <<'PY'
+python3 - "$WORK/perf.txt" "$((RATE * 5))" "$WORK/disk.before" "$WORK/disk.after" "$WORK/switches.before" "$WORK/switches.after" <<'PY'
 import collections, os, re, sys
 path, turns = sys.argv[1], int(sys.argv[2])
 total = collections.defaultdict(float)
@@ -62,9 +71,19 @@ print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
       f"fdatasync {total[(writer, 'syscalls:sys_enter_fdatasync')] / turns:.2f} "
       f"(checkpointer {sum(total[('arbor-sqlite-ch', 'syscalls:sys_enter_' + call)] for call in ('fsync', 'fdatasync')) / turns:.2f}); "
       f"context switches {sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
-switches = {t: v / turns for (t, e), v in total.items() if e == "context-switches" and v}
-print("context switches per turn by thread: " +
-      ", ".join(f"{thread} {n:.1f}" for thread, n in sorted(switches.items(), key=lambda item: -item[1])))
+def switch_counts(path):
+    counts = collections.defaultdict(lambda: [0, 0])
+    for line in open(path):
+        fields = line.split()
+        if len(fields) >= 3:
+            counts[" ".join(fields[:-2])][0] += int(fields[-2])
+            counts[" ".join(fields[:-2])][1] += int(fields[-1])
+    return counts
+if all(os.path.exists(p) for p in sys.argv[5:7]):
+    before, after = switch_counts(sys.argv[5]), switch_counts(sys.argv[6])
+    rows = {t: [(after[t][i] - before[t][i]) / turns for i in (0, 1)] for t in after}
+    print("context switches per turn by thread, slept + preempted: " + ", ".join(
+        f"{t} {v:.1f} + {n:.1f}" for t, (v, n) in sorted(rows.items(), key=lambda item: -sum(item[1])) if v + n >= 0.05))
 worker = "tokio-rt-worker"
 print(f"worker per turn: pread {total[(worker, 'syscalls:sys_enter_pread64')] / turns:.2f}, "
       f"getrandom {total[(worker, 'syscalls:sys_enter_getrandom')] / turns:.2f}")
