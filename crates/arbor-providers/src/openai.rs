@@ -867,18 +867,17 @@ impl Decode for StreamDecoder {
             self.done = true;
             return self.close();
         }
-        let parsed = match plain::read(data) {
-            Some(chunk) => Ok(chunk),
-            None => serde_json::from_str::<WireChunk>(data),
-        };
-        let chunk = match parsed {
-            Ok(chunk) => chunk,
-            Err(error) => {
-                return vec![Err(ProviderError::new(
-                    ErrorCode::StreamInterrupted,
-                    format!("the provider sent an unreadable stream chunk ({error}): {data:.200}"),
-                ))];
-            }
+        let chunk = match plain::read(data) {
+            Some(chunk) => chunk,
+            None => match serde_json::from_str::<WireChunk>(data) {
+                Ok(chunk) => chunk,
+                Err(error) => {
+                    return vec![Err(ProviderError::new(
+                        ErrorCode::StreamInterrupted,
+                        format!("the provider sent an unreadable stream chunk ({error}): {data:.200}"),
+                    ))];
+                }
+            },
         };
         if let Some(error) = chunk.error {
             return vec![Err(error_from_body(None, &error))];

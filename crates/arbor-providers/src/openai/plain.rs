@@ -16,7 +16,7 @@
 
 use serde_json::Value;
 
-use super::{FirstChoice, WireChoice, WireChunk, WireDelta};
+use super::{WireChoice, WireChunk, WireDelta};
 
 /// Nesting this reader follows inside ignored values; deeper is serde's.
 const MAX_DEPTH: usize = 16;
@@ -24,7 +24,10 @@ const MAX_DEPTH: usize = 16;
 /// The chunk, when it is plain; `None` when serde_json must decide.
 pub(super) fn read(data: &str) -> Option<WireChunk> {
     let mut reader = Reader { text: data, bytes: data.as_bytes(), at: 0 };
-    let chunk = reader.chunk()?;
+    // Filled in place: the structs are a few hundred bytes, and returning
+    // each level by value copied them up the chain, chunk after chunk.
+    let mut chunk = WireChunk::default();
+    reader.chunk(&mut chunk)?;
     reader.space();
     (reader.at == reader.bytes.len()).then_some(chunk)
 }
@@ -48,37 +51,34 @@ impl Seen {
 }
 
 impl<'a> Reader<'a> {
-    fn chunk(&mut self) -> Option<WireChunk> {
-        let mut chunk = WireChunk::default();
+    fn chunk(&mut self, chunk: &mut WireChunk) -> Option<()> {
         let mut seen = Seen::default();
         self.object(|reader, key| match key {
-            "choices" => {
-                seen.first(1)?;
-                chunk.choices = reader.choices()?;
-                Some(())
-            }
+            "choices" => seen.first(1).and_then(|()| reader.choices(&mut chunk.choices.0)),
             // Usage and errors are serde's; absent or null they are None.
             "usage" => seen.first(2).and_then(|()| reader.null()),
             "error" => seen.first(4).and_then(|()| reader.null()),
             _ => reader.skip(0),
-        })?;
-        Some(chunk)
+        })
     }
 
-    fn choices(&mut self) -> Option<FirstChoice> {
-        let mut first = None;
+    /// Keeps the first choice with index 0 (or none) in `first`.
+    fn choices(&mut self, first: &mut Option<WireChoice>) -> Option<()> {
         self.list(|reader| {
-            let choice = reader.choice()?;
-            if first.is_none() && choice.index.unwrap_or(0) == 0 {
-                first = Some(choice);
+            if first.is_some() {
+                // An alternative after the one kept: read, then dropped.
+                return reader.choice(&mut WireChoice::default());
+            }
+            let choice = first.insert(WireChoice::default());
+            reader.choice(choice)?;
+            if choice.index.unwrap_or(0) != 0 {
+                *first = None;
             }
             Some(())
-        })?;
-        Some(FirstChoice(first))
+        })
     }
 
-    fn choice(&mut self) -> Option<WireChoice> {
-        let mut choice = WireChoice::default();
+    fn choice(&mut self, choice: &mut WireChoice) -> Option<()> {
         let mut seen = Seen::default();
         self.object(|reader, key| match key {
             "index" => {
@@ -88,8 +88,12 @@ impl<'a> Reader<'a> {
             }
             "delta" => {
                 seen.first(2)?;
-                choice.delta = if reader.null().is_some() { None } else { Some(reader.delta()?) };
-                Some(())
+                if reader.null().is_some() {
+                    choice.delta = None;
+                    Some(())
+                } else {
+                    reader.delta(choice.delta.insert(WireDelta::default()))
+                }
             }
             "finish_reason" => {
                 seen.first(4)?;
@@ -98,12 +102,10 @@ impl<'a> Reader<'a> {
             }
             "message" => seen.first(8).and_then(|()| reader.null()),
             _ => reader.skip(0),
-        })?;
-        Some(choice)
+        })
     }
 
-    fn delta(&mut self) -> Option<WireDelta> {
-        let mut delta = WireDelta::default();
+    fn delta(&mut self, delta: &mut WireDelta) -> Option<()> {
         let mut seen = Seen::default();
         self.object(|reader, key| match key {
             "content" => {
@@ -119,8 +121,7 @@ impl<'a> Reader<'a> {
             "tool_calls" => seen.first(16).and_then(|()| reader.null()),
             "thought_signature" => seen.first(32).and_then(|()| reader.null()),
             _ => reader.skip(0),
-        })?;
-        Some(delta)
+        })
     }
 
     /// `{ "key": value, ... }`, each value read by `field`.
