@@ -6,7 +6,8 @@
 //! its visitors and a `Value` for the text; a turn of 20 chunks spent more
 //! on that than on any other single thing outside SQLite
 //! (bench/profile.md). This reader walks the bytes once and builds the same
-//! [`WireChunk`] in ~3,500 (the benchmark's chunks, callgrind). It reads only what it is sure of and answers `None` for
+//! [`WireChunk`] in ~3,500 (the benchmark's chunks, callgrind). It reads
+//! only what it is sure of and answers `None` for
 //! anything else — tool calls, reasoning, usage, a refusal, an error, an
 //! escaped key, a duplicate field, malformed JSON — and the caller then asks
 //! serde_json, whose answer (a chunk or an error) is the one that counts.
