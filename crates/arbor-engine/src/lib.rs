@@ -459,24 +459,21 @@ impl Engine {
         let turn = self.inner.store.turn(&conversation.id, turn_id).await?.ok_or(EngineError::NotFound("turn"))?;
         let api_calls = self.inner.store.api_calls(&turn.id).await?;
         let of_turn = |event: &arbor_core::Event| event.turn_id.as_deref() == Some(turn.id.as_str());
+        // As a viewer's replay does (stream.rs): the hub's memory holds every
+        // event not stored yet, so subscribing first fixes where it starts,
+        // and everything before that is in the store.
+        let memory = self.hub_if_loaded(&conversation.id).map(|hub| hub.subscribe(0));
+        let stored_below = memory.as_ref().map_or(i64::MAX, |memory| memory.memory_from);
         let mut events = Vec::new();
         let mut after = 0;
-        loop {
+        while after + 1 < stored_below {
             let page = self.inner.store.events_after(&conversation.id, after, 1000).await?;
-            if let Some(last) = page.last() {
-                after = last.seq;
-                events.extend(page.into_iter().filter(of_turn));
-                continue;
-            }
-            // Events not stored yet (the event writer batches them) are in
-            // the hub's memory, which holds every one after the last
-            // stored, unless more were stored (and let go) since the read.
-            let Some(hub) = self.hub_if_loaded(&conversation.id) else { break };
-            let unstored = hub.subscribe(after);
-            if unstored.memory_from <= after + 1 {
-                events.extend(unstored.backlog.into_iter().filter(of_turn));
-                break;
-            }
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            events.extend(page.into_iter().filter(|event| event.seq < stored_below).filter(of_turn));
+        }
+        if let Some(memory) = memory {
+            events.extend(memory.backlog.into_iter().filter(of_turn));
         }
         Ok(TurnDetails { turn, api_calls, events })
     }

@@ -190,10 +190,8 @@ impl<'a> Reader<'a> {
     /// A choice's index: a non-negative integer that fits a u64.
     fn index(&mut self) -> Option<u64> {
         let (digits, integer) = self.number()?;
-        if !integer || digits.starts_with('-') || digits.len() > 19 {
-            return None;
-        }
-        digits.parse().ok()
+        // A minus sign or too many digits fail to parse: serde's call then.
+        if integer { digits.parse().ok() } else { None }
     }
 
     /// A JSON number's text, and whether it is a plain integer.
@@ -397,23 +395,28 @@ mod tests {
         CHUNKS.get_or_init(read_recorded_chunks)
     }
 
+    /// The data of every event in the recorded OpenAI and compatible
+    /// streams, as the stream decoder is given it, in a fixed order (so
+    /// proptest's cases name the same chunk on every machine).
     fn read_recorded_chunks() -> Vec<String> {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/providers");
+        let mut streams: Vec<_> = ["openai", "openai-compatible"]
+            .iter()
+            .filter_map(|folder| std::fs::read_dir(format!("{root}/{folder}")).ok())
+            .flat_map(|entries| entries.flatten().map(|entry| entry.path()))
+            .filter(|path| path.extension().is_some_and(|extension| extension == "sse"))
+            .collect();
+        streams.sort();
         let mut chunks = Vec::new();
-        for folder in ["openai", "openai-compatible"] {
-            let Ok(entries) = std::fs::read_dir(format!("{root}/{folder}")) else { continue };
-            for entry in entries.flatten() {
-                let path = entry.path();
-                if path.extension().is_some_and(|extension| extension == "sse") {
-                    let text = std::fs::read_to_string(&path).unwrap();
-                    chunks.extend(
-                        text.lines()
-                            .filter_map(|line| line.strip_prefix("data:"))
-                            .map(|data| data.trim().to_owned())
-                            .filter(|data| data.starts_with('{')),
-                    );
-                }
-            }
+        for path in streams {
+            let body = std::fs::read(&path).unwrap();
+            chunks.extend(
+                crate::sse::decode_chunked(&body, &[])
+                    .into_iter()
+                    .filter_map(Result::ok)
+                    .map(|event| event.data.trim().to_owned())
+                    .filter(|data| data.starts_with('{')),
+            );
         }
         chunks
     }
