@@ -758,6 +758,10 @@ async fn story_events_replay_in_order(store: Arc<dyn Store>) {
     // A reused seq is a conflict, and the batch holding it writes nothing.
     let result = store.append_events(&[event("c1", 6, "{}"), event("c1", 3, r#"{"other":true}"#)]).await;
     assert!(matches!(result, Err(StoreError::Conflict(_))), "{result:?}");
+    for reused in [1, 2, 4] {
+        let result = store.append_events(&[event("c1", reused, "{}")]).await;
+        assert!(matches!(result, Err(StoreError::Conflict(_))), "{reused}: {result:?}");
+    }
     assert_eq!(store.last_event_seq("c1").await.expect("seq"), 5);
     assert_eq!(store.events_after("c1", 2, 1).await.expect("page")[0].data.as_ref(), payloads[2]);
     // Events of a conversation that is gone are dropped, and the rest of

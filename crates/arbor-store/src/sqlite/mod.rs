@@ -13,6 +13,7 @@
 //! running turn, quota, unique message ids) also holds by the database's own
 //! constraints, exactly as on PostgreSQL.
 
+mod packed;
 mod session;
 mod worker;
 
@@ -65,6 +66,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (7, "running turns indexed once", include_str!("../../migrations/sqlite/0007_running_turns_indexed_once.sql")),
     (8, "ledger by user", include_str!("../../migrations/sqlite/0008_ledger_by_user.sql")),
     (9, "checks without IN lists", include_str!("../../migrations/sqlite/0009_checks_without_in_lists.sql")),
+    (10, "events in runs", include_str!("../../migrations/sqlite/0010_events_in_runs.sql")),
 ];
 
 impl From<rusqlite::Error> for StoreError {
@@ -513,7 +515,13 @@ fn insert_node(connection: &Session<'_, '_>, statement: &'static str, node: &Nod
 // SQLite build a temporary b-tree at each run (`RETURNING`, or a CHECK with
 // a constant IN list of more than two values, does): a test checks their
 // plans.
-const EVENT_INSERT: &str = concat!("INSERT INTO events (", event_columns!(), ") VALUES (?, ?, ?, ?, ?, ?)");
+const EVENT_INSERT: &str = "INSERT INTO events (conversation_id, seq, last_seq, body) VALUES (?, ?, ?, ?)";
+/// The first stored run of a conversation that ends at or after a number:
+/// the only one a new run starting there could overlap.
+const EVENT_OVERLAP: &str =
+    "SELECT seq FROM events WHERE conversation_id = ? AND last_seq >= ? ORDER BY last_seq LIMIT 1";
+/// A conversation's last event number (0 when none).
+const EVENT_LAST: &str = "SELECT COALESCE(MAX(last_seq), 0) FROM events WHERE conversation_id = ?";
 const HEAD_MOVE: &str =
     "UPDATE conversations SET head_id = ?, head_version = head_version + 1, updated_at = ? WHERE id = ?";
 const CALL_INSERT: &str = concat!(
@@ -533,33 +541,39 @@ const TURN_UPDATE: &str = "UPDATE turns SET status = ?, model = ?, iterations = 
      cost_micro_usd = ?, reply_message_id = ?, error_code = ?, error_message = ?, \
      started_at = ?, finished_at = ?, pending_messages = ? WHERE conversation_id = ? AND id = ?";
 
-/// Inserts events one row per statement execution, the statement
-/// prepared once per connection.
+/// Inserts events a run to a row (see [`packed`]), each row's statement
+/// executed on its own.
 ///
 /// Not one multi-row `INSERT ... VALUES (...), (...)`: SQLite runs a
 /// statement that writes several rows and may fail half-way in a
 /// statement transaction, copying every page it first touches into an
 /// in-memory journal (1 KiB chunks, a `malloc` each) so that it can undo
 /// the statement alone. Here that is never needed (a failed write is
-/// rolled back whole, by its transaction or savepoint), and for the
-/// handful of events a turn writes it cost more than the statements it
-/// saved: 1,117 k → 1,085 k instructions per JSON turn
-/// (`bench/profile.sh`), level at 1,000 turns/s.
+/// rolled back whole, by its transaction or savepoint), and it cost more
+/// than the statements it saved: 1,117 k → 1,085 k instructions per JSON
+/// turn (`bench/profile.sh`), level at 1,000 turns/s.
 ///
-/// An event whose conversation is gone fails alone (SQLite undoes a failed
-/// statement by itself) and is skipped: see [`Store::append_events`].
+/// A number already stored in the conversation is a conflict (the run
+/// overlaps the first row ending at or after its start), and the caller's
+/// transaction undoes the batch. A run whose conversation is gone fails
+/// alone (SQLite undoes a failed statement by itself) and is skipped: see
+/// [`Store::append_events`].
 fn insert_events(connection: &Session<'_, '_>, events: &[Event]) -> StoreResult<()> {
-    let mut statement = connection.cached(EVENT_INSERT)?;
-    for event in events {
-        let inserted = statement.execute(params![
-            &*event.conversation_id,
-            event.seq,
-            event.turn_id.as_deref(),
-            event.name.as_str(),
-            &*event.data,
-            event.created_at,
-        ]);
-        match inserted {
+    let mut overlap = connection.cached(EVENT_OVERLAP)?;
+    let mut insert = connection.cached(EVENT_INSERT)?;
+    let mut body = String::new();
+    for run in packed::Runs::new(events) {
+        let (first, last) = (run[0], run[run.len() - 1]);
+        let taken: Option<i64> =
+            overlap.query_row(params![&*first.conversation_id, first.seq], |row| row.get(0)).optional()?;
+        if taken.is_some_and(|seq| seq <= last.seq) {
+            return Err(StoreError::Conflict(format!(
+                "event numbers {}..={} of conversation {} are already used",
+                first.seq, last.seq, first.conversation_id
+            )));
+        }
+        packed::encode(&run, &mut body);
+        match insert.execute(params![&*first.conversation_id, first.seq, last.seq, body]) {
             Ok(_) => {}
             Err(rusqlite::Error::SqliteFailure(error, _))
                 if error.extended_code == ffi::SQLITE_CONSTRAINT_FOREIGNKEY => {}
@@ -1215,7 +1229,7 @@ impl Store for SqliteStore {
         self.write(move |connection| {
             let last: Option<i64> = connection
                 .cached(
-                    "SELECT (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?1) \
+                    "SELECT (SELECT COALESCE(MAX(last_seq), 0) FROM events WHERE conversation_id = ?1) \
                      FROM conversations WHERE id = ?1",
                 )?
                 .query_row([&conversation_id], |row| row.get(0))
@@ -1229,18 +1243,19 @@ impl Store for SqliteStore {
     }
 
     async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
-        let conversation_id = conversation_id.to_string();
+        let conversation_id: Arc<str> = Arc::from(conversation_id);
         self.read(move |connection| {
-            query_all(
-                connection,
-                concat!(
-                    "SELECT ",
-                    event_columns!(),
-                    " FROM events WHERE conversation_id = ? AND seq > ? ORDER BY seq LIMIT ?"
-                ),
-                params![conversation_id, after, i64::from(limit)],
-                |row| codec::event_from_row(row),
-            )
+            let mut statement = connection.cached(
+                "SELECT seq, last_seq, body FROM events WHERE conversation_id = ? AND last_seq > ? ORDER BY last_seq",
+            )?;
+            let mut rows = statement.query(params![&*conversation_id, after])?;
+            let (limit, mut events) = (limit as usize, Vec::new());
+            while events.len() < limit {
+                let Some(row) = rows.next()? else { break };
+                let body = row.get_ref(2)?.as_str().map_err(|error| StoreError::Database(error.to_string()))?;
+                packed::decode(&conversation_id, row.get(0)?, row.get(1)?, body, after, limit, &mut events)?;
+            }
+            Ok(events)
         })
         .await
     }
@@ -1248,9 +1263,7 @@ impl Store for SqliteStore {
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
         let conversation_id = conversation_id.to_string();
         self.read_point(move |connection| {
-            Ok(connection
-                .cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = ?")?
-                .query_row([conversation_id], |row| row.get(0))?)
+            Ok(connection.cached(EVENT_LAST)?.query_row([conversation_id], |row| row.get(0))?)
         })
         .await
     }
@@ -1721,7 +1734,7 @@ mod tests {
              INSERT INTO cost_ledger (id, user_id, api_call_id, credits, balance_after, created_at) VALUES \
                  ('l1', 'u', 'a1', 14, 986, 1), ('l2', 'u', 'a1', 1, 985, 2); \
              INSERT INTO events (conversation_id, seq, turn_id, name, data, created_at) VALUES \
-                 ('c', 2, 't-done', 'delta', '{\"text\":\"hi\"}', 1), ('c', 1, 't-done', 'turn.started', '{}', 1);",
+                 ('c', 2, 't-done', 'delta', '{\"text\":\"hé: 1 2\"}', 1), ('c', 1, NULL, 'turn.started', '{}', 1);",
         );
         let store = SqliteStore::open(&format!("sqlite://{}", path.display())).await.expect("migrates");
         let version: i64 =
@@ -1778,19 +1791,35 @@ mod tests {
         let seqs =
             |events: Vec<Event>| events.into_iter().map(|event| (event.seq, event.name.as_str())).collect::<Vec<_>>();
         assert_eq!(seqs(store.events_after("c", 0, 10).await.expect("reads")), [(1, "turn.started"), (2, "delta")]);
-        assert_eq!(seqs(store.events_after("c", 1, 10).await.expect("reads")), [(2, "delta")]);
+        let delta = store.events_after("c", 1, 10).await.expect("reads");
+        assert_eq!(seqs(delta.clone()), [(2, "delta")]);
+        assert_eq!((delta[0].turn_id.as_deref(), &*delta[0].data), (Some("t-done"), "{\"text\":\"hé: 1 2\"}"));
+        assert_eq!(store.events_after("c", 0, 1).await.expect("reads")[0].turn_id, None);
         assert_eq!(store.last_event_seq("c").await.expect("reads"), 2);
         let again = Event { seq: 2, ..store.events_after("c", 1, 1).await.expect("reads").remove(0) };
         assert!(matches!(store.append_events(&[again]).await, Err(StoreError::Conflict(_))));
-        let plan: Vec<String> = store
-            .read(|c| {
-                let sql = "EXPLAIN QUERY PLAN SELECT * FROM events WHERE conversation_id = 'c' AND seq > 1 \
-                           ORDER BY seq LIMIT 10";
-                Ok(c.prepare(sql)?.query_map([], |row| row.get(3))?.collect::<Result<_, _>>()?)
+        let plan = |sql: &'static str| {
+            store.read(move |c| {
+                // Its parameters stay unbound: the plan does not need them.
+                let mut statement = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))?;
+                let (mut rows, mut details) = (statement.raw_query(), Vec::new());
+                while let Some(row) = rows.next()? {
+                    details.push(row.get::<_, String>(3)?);
+                }
+                Ok(details)
             })
-            .await
-            .expect("plans");
-        assert_eq!(plan, ["SEARCH events USING INDEX events_by_conversation (conversation_id=? AND seq>?)"]);
+        };
+        let replay = "SELECT seq, last_seq, body FROM events WHERE conversation_id = 'c' AND last_seq > 1 \
+                      ORDER BY last_seq";
+        assert_eq!(
+            plan(replay).await.expect("plans"),
+            ["SEARCH events USING INDEX events_by_conversation (conversation_id=? AND last_seq>?)"]
+        );
+        for sql in [EVENT_OVERLAP, EVENT_LAST] {
+            let covered = plan(sql).await.expect("plans");
+            assert_eq!(covered.len(), 1, "{covered:?}");
+            assert!(covered[0].starts_with("SEARCH events USING COVERING INDEX events_by_conversation"), "{covered:?}");
+        }
 
         // The rebuilt table still refuses a parent that is not there, and
         // foreign keys are back on for every connection.
@@ -1850,6 +1879,7 @@ mod tests {
             NODE_INSERT,
             NODE_UPSERT,
             EVENT_INSERT,
+            EVENT_OVERLAP,
             HEAD_MOVE,
             CALL_INSERT,
             BALANCE_CHARGE,
