@@ -256,7 +256,8 @@ impl Engine {
     /// Starts the engine: the event writer, and recovery of turns a previous
     /// process left running (they are marked interrupted).
     pub async fn start(store: Arc<dyn Store>, models: Models, config: EngineConfig) -> EngineResult<Engine> {
-        let (writer, _task) = EventWriter::start(store.clone());
+        let closing = CancellationToken::new();
+        let (writer, _task) = EventWriter::start(store.clone(), closing.clone());
         let (launcher, mut launches) = tokio::sync::mpsc::unbounded_channel();
         let hubs = Hubs::new(config.idle_conversations_kept);
         let engine = Engine {
@@ -267,7 +268,7 @@ impl Engine {
                 hubs: Mutex::new(hubs),
                 writer,
                 tracker: TaskTracker::new(),
-                closing: CancellationToken::new(),
+                closing,
                 interrupt: CancellationToken::new(),
                 key_cache: Mutex::new(HashMap::new()),
                 launcher,

@@ -6,10 +6,11 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arbor_core::Event;
-use arbor_store::{Notice, Store};
+use arbor_store::{Notice, Store, StoreError, StoreResult};
+use tokio_util::sync::CancellationToken;
 
 use crate::hub::Hub;
 use futures_util::StreamExt;
@@ -44,10 +45,15 @@ pub(crate) struct EventWriter {
 }
 
 impl EventWriter {
-    /// Starts the writer task on the current runtime.
-    pub(crate) fn start(store: Arc<dyn Store>) -> (EventWriter, tokio::task::JoinHandle<()>) {
+    /// Starts the writer task on the current runtime. Once `closing` is
+    /// cancelled (the engine shuts down), a batch the store keeps refusing
+    /// is given up after a few attempts instead of [`RETRY_FOR`].
+    pub(crate) fn start(
+        store: Arc<dyn Store>,
+        closing: CancellationToken,
+    ) -> (EventWriter, tokio::task::JoinHandle<()>) {
         let (sender, receiver) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run(store, receiver));
+        let task = tokio::spawn(run(store, receiver, closing));
         (EventWriter { sender }, task)
     }
 
@@ -65,7 +71,7 @@ impl EventWriter {
     #[cfg(test)]
     pub(crate) async fn in_memory() -> EventWriter {
         let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
-        EventWriter::start(Arc::new(store)).0
+        EventWriter::start(Arc::new(store), CancellationToken::new()).0
     }
 
     /// Waits until everything sent before this call is stored.
@@ -77,7 +83,7 @@ impl EventWriter {
     }
 }
 
-async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Message>) {
+async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Message>, closing: CancellationToken) {
     let mut batch: Vec<Event> = Vec::with_capacity(256);
     let mut marks: Vec<(Arc<AtomicI64>, i64)> = Vec::new();
     let mut unnumbered: Vec<(Event, Weak<Hub>)> = Vec::new();
@@ -98,14 +104,14 @@ async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Messag
             }
         }
         if !batch.is_empty() {
-            write_with_retries(store.as_ref(), &batch).await;
+            write_with_retries(store.as_ref(), &batch, &closing).await;
             for (mark, seq) in marks.drain(..) {
                 mark.fetch_max(seq, Ordering::AcqRel);
             }
             batch.clear();
         }
         if !unnumbered.is_empty() {
-            number_and_publish(store.as_ref(), std::mem::take(&mut unnumbered)).await;
+            number_and_publish(store.as_ref(), &closing, std::mem::take(&mut unnumbered)).await;
         }
         for waiter in waiters.drain(..) {
             let _ = waiter.send(());
@@ -113,25 +119,89 @@ async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Messag
     }
 }
 
-async fn write_with_retries(store: &dyn Store, batch: &[Event]) {
-    let mut delay = Duration::from_millis(20);
-    for attempt in 1..=5 {
-        match store.append_events(batch).await {
-            Ok(()) => return,
-            Err(error) => {
-                tracing::warn!(%error, attempt, events = batch.len(), "storing events failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
+/// Stores a batch, retrying while the store fails. The batch's events stay
+/// in their hubs' memory meanwhile (they are marked stored only after this
+/// returns), so viewers and replays still get them.
+///
+/// A batch is retried for up to [`RETRY_FOR`], long enough to ride out a
+/// database restart or a failover; it used to be five attempts over ~0.6 s,
+/// after which its events were marked stored though they were not, and a
+/// later replay missed them. A conflict (an event number already stored) is
+/// not retried: the batch is split by conversation so that only the
+/// conversation whose numbers collide loses its events, not every
+/// conversation that shared the batch.
+async fn write_with_retries(store: &dyn Store, batch: &[Event], closing: &CancellationToken) {
+    let error = match append_retrying(store, batch, closing).await {
+        Ok(()) => return,
+        Err(StoreError::Conflict(_)) if batch.iter().any(|event| event.conversation_id != batch[0].conversation_id) => {
+            let mut conversations: Vec<&str> = batch.iter().map(|event| &*event.conversation_id).collect();
+            conversations.sort_unstable();
+            conversations.dedup();
+            for conversation in conversations {
+                let group: Vec<Event> =
+                    batch.iter().filter(|event| &*event.conversation_id == conversation).cloned().collect();
+                if let Err(error) = append_retrying(store, &group, closing).await {
+                    tracing::error!(%error, events = group.len(), conversation, "storing events failed for good; a replay will miss them");
+                }
             }
+            return;
         }
+        Err(error) => error,
+    };
+    tracing::error!(%error, events = batch.len(), "storing events failed for good; a replay will miss them");
+}
+
+/// How long a batch the store refuses is retried before it is given up.
+const RETRY_FOR: Duration = Duration::from_secs(300);
+/// The longest wait between two attempts.
+const RETRY_DELAY_MAX: Duration = Duration::from_secs(5);
+/// Attempts at a batch once the engine is shutting down, and the longest
+/// wait between them.
+const CLOSING_ATTEMPTS: u32 = 5;
+const CLOSING_DELAY_MAX: Duration = Duration::from_millis(320);
+
+async fn append_retrying(store: &dyn Store, events: &[Event], closing: &CancellationToken) -> StoreResult<()> {
+    retrying(closing, events.len(), || store.append_events(events)).await
+}
+
+/// Runs `attempt` until it succeeds, fails with a conflict (which another
+/// attempt would not change), or has failed for [`RETRY_FOR`] — or for
+/// [`CLOSING_ATTEMPTS`] attempts once the engine is shutting down, so that
+/// a shutdown with the store down ends. Waits double from 20 ms up to
+/// [`RETRY_DELAY_MAX`] between attempts.
+async fn retrying<T, F, Fut>(closing: &CancellationToken, events: usize, mut attempt: F) -> StoreResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = StoreResult<T>>,
+{
+    let started = Instant::now();
+    let mut delay = Duration::from_millis(20);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let error = match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error @ StoreError::Conflict(_)) => return Err(error),
+            Err(error) => error,
+        };
+        if started.elapsed() >= RETRY_FOR || (closing.is_cancelled() && attempts >= CLOSING_ATTEMPTS) {
+            return Err(error);
+        }
+        tracing::warn!(%error, attempt = attempts, events, "storing events failed; retrying");
+        let wait = if closing.is_cancelled() { delay.min(CLOSING_DELAY_MAX) } else { delay };
+        // A shutdown that starts during a long wait ends the wait.
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = closing.cancelled(), if !closing.is_cancelled() => {}
+        }
+        delay = (delay * 2).min(RETRY_DELAY_MAX);
     }
-    tracing::error!(events = batch.len(), "storing events failed five times; these events are only in memory");
 }
 
 /// Stores events the database numbers, one conversation at a time (in the
 /// order they were emitted), publishes them to their hubs and wakes the
 /// other nodes.
-async fn number_and_publish(store: &dyn Store, events: Vec<(Event, Weak<Hub>)>) {
+async fn number_and_publish(store: &dyn Store, closing: &CancellationToken, events: Vec<(Event, Weak<Hub>)>) {
     let mut groups: Vec<(Arc<str>, Weak<Hub>, Vec<Event>)> = Vec::new();
     for (event, hub) in events {
         match groups.iter_mut().find(|(conversation, _, _)| *conversation == event.conversation_id) {
@@ -144,34 +214,29 @@ async fn number_and_publish(store: &dyn Store, events: Vec<(Event, Weak<Hub>)>) 
     // next batch waits for this one: a conversation's events stay in order).
     futures_util::stream::iter(groups)
         .for_each_concurrent(CONCURRENT_GROUPS, |(conversation_id, hub, group)| {
-            store_numbered_group(store, conversation_id, hub, group)
+            store_numbered_group(store, closing, conversation_id, hub, group)
         })
         .await;
 }
 
 /// Numbers and stores one conversation's events, then publishes them.
-async fn store_numbered_group(store: &dyn Store, conversation_id: Arc<str>, hub: Weak<Hub>, group: Vec<Event>) {
-    let mut delay = Duration::from_millis(20);
-    let mut numbered = None;
-    for attempt in 1..=5 {
-        match store.append_events_numbered(&conversation_id, &group).await {
-            Ok(stored) => {
-                numbered = Some(stored);
-                break;
+async fn store_numbered_group(
+    store: &dyn Store,
+    closing: &CancellationToken,
+    conversation_id: Arc<str>,
+    hub: Weak<Hub>,
+    group: Vec<Event>,
+) {
+    let stored = retrying(closing, group.len(), || store.append_events_numbered(&conversation_id, &group)).await;
+    let numbered = match stored {
+        Ok(numbered) => numbered,
+        Err(error) => {
+            tracing::error!(%error, events = group.len(), %conversation_id, "storing events failed; they are lost");
+            if let Some(hub) = hub.upgrade() {
+                hub.publish(&[], group.len());
             }
-            Err(error) => {
-                tracing::warn!(%error, attempt, events = group.len(), "storing events failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
+            return;
         }
-    }
-    let Some(numbered) = numbered else {
-        tracing::error!(events = group.len(), %conversation_id, "storing events failed five times; they are lost");
-        if let Some(hub) = hub.upgrade() {
-            hub.publish(&[], group.len());
-        }
-        return;
     };
     if let Some(hub) = hub.upgrade() {
         hub.publish(&numbered, group.len());
@@ -181,5 +246,106 @@ async fn store_numbered_group(store: &dyn Store, conversation_id: Arc<str>, hub:
         if let Err(error) = store.notify(&notice).await {
             tracing::warn!(%error, "announcing events to the other nodes failed; they will see them on their next read");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_core::EventName;
+    use arbor_store::sqlite::SqliteStore;
+    use arbor_store::{Conversation, User};
+
+    fn event(conversation: &str, seq: i64) -> Event {
+        Event {
+            seq,
+            conversation_id: Arc::from(conversation),
+            turn_id: Some(Arc::from("t1")),
+            name: EventName::Delta,
+            data: Arc::from(format!(r#"{{"text":"{conversation} {seq}"}}"#)),
+            created_at: 1_000 + seq,
+        }
+    }
+
+    /// A file store with a user and the conversations `ids`.
+    async fn store_with(folder: &std::path::Path, ids: &[&str]) -> SqliteStore {
+        let url = format!("sqlite://{}", folder.join("arbor.db").display());
+        let store = SqliteStore::open(&url).await.expect("opens");
+        let user = User { id: "u".into(), name: "ann".into(), is_admin: false, balance_credits: None, created_at: 1 };
+        store.create_user(&user).await.expect("user");
+        for id in ids {
+            let conversation = Conversation {
+                id: (*id).into(),
+                owner_id: "u".into(),
+                title: None,
+                system_prompt: None,
+                preset_id: None,
+                model: "demo".into(),
+                head_id: None,
+                head_version: 0,
+                summary: None,
+                created_at: 1,
+                updated_at: 1,
+            };
+            store.create_conversation(&conversation).await.expect("conversation");
+        }
+        store
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_stored_after_an_outage_longer_than_a_second() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store = store_with(folder.path(), &["c1"]).await;
+        // The outage: every insert into events fails until the trigger goes.
+        let outside = rusqlite::Connection::open(folder.path().join("arbor.db")).expect("opens");
+        outside
+            .execute_batch(
+                "CREATE TRIGGER outage BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk trouble'); END;",
+            )
+            .expect("trigger");
+        let batch = [event("c1", 1), event("c1", 2)];
+        assert!(store.append_events(&batch).await.is_err(), "the store is down");
+
+        let mended = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1500));
+            outside.execute_batch("DROP TRIGGER outage;").expect("mends");
+        });
+        write_with_retries(&store, &batch, &CancellationToken::new()).await;
+        mended.join().expect("mended");
+        assert_eq!(store.events_after("c1", 0, 10).await.expect("reads"), batch);
+    }
+
+    #[tokio::test]
+    async fn a_shutdown_with_the_store_down_gives_up_in_moments() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store = store_with(folder.path(), &["c1"]).await;
+        let outside = rusqlite::Connection::open(folder.path().join("arbor.db")).expect("opens");
+        outside
+            .execute_batch(
+                "CREATE TRIGGER outage BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk trouble'); END;",
+            )
+            .expect("trigger");
+        let closing = CancellationToken::new();
+        let started = Instant::now();
+        let shutdown = closing.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            shutdown.cancel();
+        });
+        write_with_retries(&store, &[event("c1", 1)], &closing).await;
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(2), "gave up after {took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_conflict_costs_only_its_own_conversation_the_batch() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store = store_with(folder.path(), &["c1", "c2"]).await;
+        store.append_events(&[event("c1", 1)]).await.expect("first");
+        // c1's number 1 is taken; c2's events share the batch.
+        let batch = [event("c2", 1), event("c1", 1), event("c2", 2)];
+        write_with_retries(&store, &batch, &CancellationToken::new()).await;
+        assert_eq!(store.events_after("c2", 0, 10).await.expect("reads"), [event("c2", 1), event("c2", 2)]);
+        assert_eq!(store.events_after("c1", 0, 10).await.expect("reads"), [event("c1", 1)]);
     }
 }
