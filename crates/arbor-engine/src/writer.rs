@@ -254,7 +254,7 @@ mod tests {
     use super::*;
     use arbor_core::EventName;
     use arbor_store::sqlite::SqliteStore;
-    use arbor_store::{Conversation, User};
+    use arbor_store::testing;
 
     fn event(conversation: &str, seq: i64) -> Event {
         Event {
@@ -271,38 +271,30 @@ mod tests {
     async fn store_with(folder: &std::path::Path, ids: &[&str]) -> SqliteStore {
         let url = format!("sqlite://{}", folder.join("arbor.db").display());
         let store = SqliteStore::open(&url).await.expect("opens");
-        let user = User { id: "u".into(), name: "ann".into(), is_admin: false, balance_credits: None, created_at: 1 };
-        store.create_user(&user).await.expect("user");
+        store.create_user(&testing::user("u")).await.expect("user");
         for id in ids {
-            let conversation = Conversation {
-                id: (*id).into(),
-                owner_id: "u".into(),
-                title: None,
-                system_prompt: None,
-                preset_id: None,
-                model: "demo".into(),
-                head_id: None,
-                head_version: 0,
-                summary: None,
-                created_at: 1,
-                updated_at: 1,
-            };
-            store.create_conversation(&conversation).await.expect("conversation");
+            store.create_conversation(&testing::conversation("u", id)).await.expect("conversation");
         }
         store
+    }
+
+    /// Makes every insert into the store's events fail until the trigger
+    /// `outage` is dropped; returns the connection that made it.
+    fn start_outage(folder: &std::path::Path) -> rusqlite::Connection {
+        let outside = rusqlite::Connection::open(folder.join("arbor.db")).expect("opens");
+        outside
+            .execute_batch(
+                "CREATE TRIGGER outage BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk trouble'); END;",
+            )
+            .expect("trigger");
+        outside
     }
 
     #[tokio::test]
     async fn a_batch_is_stored_after_an_outage_longer_than_a_second() {
         let folder = tempfile::tempdir().expect("temp dir");
         let store = store_with(folder.path(), &["c1"]).await;
-        // The outage: every insert into events fails until the trigger goes.
-        let outside = rusqlite::Connection::open(folder.path().join("arbor.db")).expect("opens");
-        outside
-            .execute_batch(
-                "CREATE TRIGGER outage BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk trouble'); END;",
-            )
-            .expect("trigger");
+        let outside = start_outage(folder.path());
         let batch = [event("c1", 1), event("c1", 2)];
         assert!(store.append_events(&batch).await.is_err(), "the store is down");
 
@@ -319,12 +311,7 @@ mod tests {
     async fn a_shutdown_with_the_store_down_gives_up_in_moments() {
         let folder = tempfile::tempdir().expect("temp dir");
         let store = store_with(folder.path(), &["c1"]).await;
-        let outside = rusqlite::Connection::open(folder.path().join("arbor.db")).expect("opens");
-        outside
-            .execute_batch(
-                "CREATE TRIGGER outage BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk trouble'); END;",
-            )
-            .expect("trigger");
+        start_outage(folder.path());
         let closing = CancellationToken::new();
         let started = Instant::now();
         let shutdown = closing.clone();

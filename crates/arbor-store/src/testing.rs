@@ -1,8 +1,31 @@
-//! Throwaway PostgreSQL databases for tests that run against the server
-//! named by `ARBOR_TEST_POSTGRES_URL`: each test gets its own database,
-//! created from that URL and dropped afterwards, so runs never collide.
+//! For tests of the store and of what uses it: throwaway PostgreSQL
+//! databases on the server named by `ARBOR_TEST_POSTGRES_URL` (each test
+//! gets its own database, created from that URL and dropped afterwards, so
+//! runs never collide), and the plainest user and conversation records.
 
-use crate::{StoreError, StoreResult};
+use crate::{Conversation, StoreError, StoreResult, User};
+
+/// A user with no credit limit, not an admin, named after its id.
+pub fn user(id: &str) -> User {
+    User { id: id.into(), name: id.into(), is_admin: false, balance_credits: None, created_at: 1 }
+}
+
+/// A conversation of `owner_id` with nothing set but its model (`demo`).
+pub fn conversation(owner_id: &str, id: &str) -> Conversation {
+    Conversation {
+        id: id.into(),
+        owner_id: owner_id.into(),
+        title: None,
+        system_prompt: None,
+        preset_id: None,
+        model: "demo".into(),
+        head_id: None,
+        head_version: 0,
+        summary: None,
+        created_at: 1,
+        updated_at: 1,
+    }
+}
 
 /// A database made for one test. Call [`TestDatabase::drop_database`] when done.
 pub struct TestDatabase {

@@ -210,17 +210,10 @@ fn user(id: &str, balance: Option<i64>) -> User {
 
 fn conversation(owner: &str, id: &str, created_at: i64) -> Conversation {
     Conversation {
-        id: id.into(),
-        owner_id: owner.into(),
         title: Some(format!("title {id}")),
-        system_prompt: None,
-        preset_id: None,
-        model: "demo".into(),
-        head_id: None,
-        head_version: 0,
-        summary: None,
         created_at,
         updated_at: created_at,
+        ..arbor_store::testing::conversation(owner, id)
     }
 }
 

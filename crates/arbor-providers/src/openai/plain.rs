@@ -166,7 +166,7 @@ impl<'a> Reader<'a> {
             b'[' => self.list(|reader| reader.skip(depth + 1)),
             b'"' => match self.raw_string()? {
                 // serde_json checks the escapes of a string it ignores.
-                (raw, true) => unescape(raw).map(drop),
+                (raw, true) => self.unescape_last(raw).map(drop),
                 (_, false) => Some(()),
             },
             b't' => self.literal(b"true"),
@@ -248,7 +248,16 @@ impl<'a> Reader<'a> {
     /// A string value, unescaped.
     fn string(&mut self) -> Option<String> {
         let (raw, escaped) = self.raw_string()?;
-        if escaped { unescape(raw) } else { Some(raw.to_owned()) }
+        if escaped { self.unescape_last(raw) } else { Some(raw.to_owned()) }
+    }
+
+    /// The string `raw_string` just read (`raw`, ending at the closing
+    /// quote before `at`) with its escapes resolved by serde_json itself, so
+    /// an escape JSON does not have, or a surrogate without its pair, fails
+    /// here exactly as it fails there.
+    fn unescape_last(&self, raw: &str) -> Option<String> {
+        let quoted = &self.text[self.at - raw.len() - 2..self.at];
+        serde_json::from_str(quoted).ok()
     }
 
     /// A string's text between its quotes, still escaped, and whether it
@@ -323,56 +332,6 @@ fn special(word: u64) -> u64 {
     const HIGHS: u64 = ONES * 0x80;
     let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGHS;
     below(word ^ (ONES * u64::from(b'"')), 1) | below(word ^ (ONES * u64::from(b'\\')), 1) | below(word, 0x20)
-}
-
-/// A string's escapes resolved; `None` for an escape JSON does not have or
-/// a surrogate without its pair (serde_json's call).
-fn unescape(raw: &str) -> Option<String> {
-    let mut out = String::with_capacity(raw.len());
-    let mut rest = raw;
-    while let Some(backslash) = rest.find('\\') {
-        out.push_str(&rest[..backslash]);
-        let escape = rest.as_bytes().get(backslash + 1)?;
-        rest = &rest[backslash + 2..];
-        let decoded = match escape {
-            b'"' => '"',
-            b'\\' => '\\',
-            b'/' => '/',
-            b'b' => '\u{8}',
-            b'f' => '\u{c}',
-            b'n' => '\n',
-            b'r' => '\r',
-            b't' => '\t',
-            b'u' => {
-                let high = hex4(&mut rest)?;
-                match high {
-                    0xD800..=0xDBFF => {
-                        rest = rest.strip_prefix("\\u")?;
-                        let low = hex4(&mut rest)?;
-                        if !(0xDC00..=0xDFFF).contains(&low) {
-                            return None;
-                        }
-                        char::from_u32(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))?
-                    }
-                    _ => char::from_u32(high)?,
-                }
-            }
-            _ => return None,
-        };
-        out.push(decoded);
-    }
-    out.push_str(rest);
-    Some(out)
-}
-
-/// Four hex digits off the front of `rest`.
-fn hex4(rest: &mut &str) -> Option<u32> {
-    let digits = rest.get(..4)?;
-    if !digits.bytes().all(|byte| byte.is_ascii_hexdigit()) {
-        return None;
-    }
-    *rest = &rest[4..];
-    u32::from_str_radix(digits, 16).ok()
 }
 
 #[cfg(test)]

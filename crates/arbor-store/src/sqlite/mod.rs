@@ -1491,27 +1491,14 @@ mod tests {
     }
 
     fn owner() -> User {
-        User { id: "u".into(), name: "u".into(), is_admin: false, balance_credits: None, created_at: 1 }
+        crate::testing::user("u")
     }
 
     #[tokio::test]
     async fn event_batches_of_any_size_are_stored_whole_and_in_order() {
         let store = SqliteStore::open("sqlite::memory:").await.expect("opens");
         store.create_user(&owner()).await.expect("user");
-        let conversation = Conversation {
-            id: "c".into(),
-            owner_id: "u".into(),
-            title: None,
-            system_prompt: None,
-            preset_id: None,
-            model: "m".into(),
-            head_id: None,
-            head_version: 0,
-            summary: None,
-            created_at: 1,
-            updated_at: 1,
-        };
-        store.create_conversation(&conversation).await.expect("conversation");
+        store.create_conversation(&crate::testing::conversation("u", "c")).await.expect("conversation");
         let event = |seq: i64| Event {
             seq,
             conversation_id: "c".into(),
