@@ -38,6 +38,9 @@ impl Hasher for AddressHasher {
         self.0
     }
 
+    /// Not used by [`Statements`], whose `usize` keys go through
+    /// `write_usize`; the trait needs it, so other input is folded a byte
+    /// at a time through the same multiply.
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
             self.write_u64(self.0.rotate_left(8) ^ u64::from(byte));
