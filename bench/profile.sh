@@ -6,6 +6,8 @@
 #
 #   bench/profile.sh            JSON turns and streamed turns, 300 of each
 #   TURNS=1000 bench/profile.sh
+#   ARBOR_BIN=/path/to/arbor PROFILE_OUT=/tmp/p bench/profile.sh   another build,
+#                               written elsewhere (the committed profile stays)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -14,12 +16,13 @@ RATE=${RATE:-20}
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 cargo build -q --release -p arbor -p arbor-testkit -p arbor-bench
 BIN=$TARGET_DIR/release
-RESULTS=$ROOT/bench/results
+ARBOR_BIN=${ARBOR_BIN:-$BIN/arbor}
+RESULTS=${PROFILE_OUT:-$ROOT/bench/results}
 mkdir -p "$RESULTS"
 source "$ROOT/bench/common.sh"
 open_work profile keep
 start_mock0
-start_arbor0 valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out" "$BIN/arbor"
+start_arbor0 valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out" "$ARBOR_BIN"
 await_arbor 300 0.5
 
 profile() { # NAME [arbor-bench args...]
@@ -61,7 +64,7 @@ echo "raw callgrind files in $WORK (callgrind_annotate, kcachegrind)"
 PERF_RATE=${PERF_RATE:-1000}
 if command -v perf >/dev/null; then
   rm -f "$WORK/arbor.db"*
-  start_arbor0 "$BIN/arbor"
+  start_arbor0 "$ARBOR_BIN"
   await_arbor 100 0.2
   taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
     --rate "$PERF_RATE" --duration 8 --warmup 2 --runs 1 --scenario perf &

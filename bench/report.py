@@ -530,7 +530,7 @@ w("")
 w(f"- CPU: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores")
 w(f"- memory: {machine.get('memory', '?')}")
 w(f"- kernel: {machine.get('kernel', '?')}")
-w(f"- {machine.get('rustc', '?')}; release profile (thin LTO, 4 codegen units)")
+w(f"- {machine.get('rustc', '?')}; {machine.get('build', 'release: lto thin, codegen-units 4')}")
 w(f"- date: {date}; commit `{commit}`")
 w(f"- load average (1, 5, 15 min) at the start: {' '.join(machine.get('loadavg_start', []))}; at the end: "
   f"{' '.join(machine.get('loadavg_end', []))} (this run's own load is about 2; more means other work shared the cores)")

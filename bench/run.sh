@@ -241,6 +241,10 @@ def cmd(*args):
     except Exception as error: return str(error)
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 mem = next((line.split(":", 1)[1].strip() for line in open("/proc/meminfo") if line.startswith("MemTotal")), "?")
+def release(key):
+    section = open("$ROOT/Cargo.toml").read().split("[profile.release]", 1)[-1].split("[", 1)[0]
+    values = {k.strip(): v.strip().strip('"') for k, _, v in (l.partition("=") for l in section.splitlines()) if v}
+    return values.get(key, "?")
 print(json.dumps({
     "cpu": cpu, "cores": os.cpu_count(), "memory": mem, "kernel": platform.release(),
     "rustc": cmd("rustc", "--version"), "commit": cmd("git", "-C", "$ROOT", "rev-parse", "--short", "HEAD"),
@@ -250,6 +254,10 @@ print(json.dumps({
     "date": cmd("date", "-u", "+%Y-%m-%d %H:%M UTC"), "arbor_core": $ARBOR_CORE, "load_core": $LOAD_CORE,
     "chunks": $CHUNKS, "chunk_delay_ms": $CHUNK_DELAY_MS, "smoke": $SMOKE == 1,
     "sqlite_sync": "${SQLITE_SYNC:-full}",
+    # The release profile's code generation (Cargo.toml; the environment's overrides win).
+    "build": "$PROFILE" if "$PROFILE" != "release" else "release: lto " + os.environ.get(
+        "CARGO_PROFILE_RELEASE_LTO", release("lto")) + ", codegen-units " + os.environ.get(
+        "CARGO_PROFILE_RELEASE_CODEGEN_UNITS", release("codegen-units")),
     "loadavg_start": open("/proc/loadavg").read().split()[:3],
     # An A/B run measures another build than the harness's own.
     "arbor_bin": "$ARBOR_BIN" if "$ARBOR_BIN" != "$BIN/arbor" else None,
