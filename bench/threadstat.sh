@@ -10,6 +10,9 @@
 #
 #   bench/threadstat.sh [ARBOR_BIN] [RATE]      # defaults: the release build, 500
 #
+# AFTER_START is a shell command run once Arbor answers, with ARBOR_PID set
+# (an experiment's setup, e.g. `chrt` on one of its threads).
+#
 # LIMITED=1 drives the turns as a user with a credit balance (10^12 credits,
 # made with `arbor users add` / `users credits`), whose calls hold credits
 # before they are made; the default is the first admin, who is unlimited.
@@ -26,6 +29,9 @@ open_work threadstat
 start_mock0
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
+# An experiment's setup, run once Arbor answers (ARBOR_PID is exported),
+# e.g. changing one thread's scheduling policy.
+if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
 if [[ ${LIMITED:-0} == 1 ]]; then
   ARBOR_BENCH_KEY=$("$ARBOR_BIN" users add bench-limited --data-dir "$WORK" --config "$WORK/arbor.toml")
   "$ARBOR_BIN" users credits bench-limited --set 1000000000000 --data-dir "$WORK" --config "$WORK/arbor.toml" 2>/dev/null
