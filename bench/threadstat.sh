@@ -29,8 +29,6 @@ open_work threadstat
 start_mock0
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
-# An experiment's setup, run once Arbor answers (ARBOR_PID is exported),
-# e.g. changing one thread's scheduling policy.
 if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
 if [[ ${LIMITED:-0} == 1 ]]; then
   ARBOR_BENCH_KEY=$("$ARBOR_BIN" users add bench-limited --data-dir "$WORK" --config "$WORK/arbor.toml")

@@ -9,10 +9,7 @@ use anyhow::Context;
 use arbor_server::config::{Config, Overrides};
 use clap::{Args, Parser, Subcommand};
 
-/// mimalloc instead of glibc's malloc: a turn allocates and frees a few
-/// hundred small buffers across the runtime's threads, and mimalloc's
-/// thread-local free lists do that in fewer instructions (bench/analysis.md).
-/// SQLite keeps its own allocations on the C allocator.
+/// mimalloc instead of glibc's malloc (ARCHITECTURE.md, "Deliberate choices").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
