@@ -3,7 +3,11 @@ on most: a hand-off between two threads on one core (a turn makes a
 dozen), waking a process on an idle core from the other one (a request
 arriving at a quiet server; on a VM an idle core's wake-up can cost far
 more than a busy one's), an fdatasync on the data directory's disk (a
-durable turn makes two), and plain CPU. A shared VM varies by several times between hours;
+durable turn makes two) back to back and after a 5 ms pause, and plain
+CPU. The pause matters on some filesystems: ext4 without a journal (this
+VM's) writes the file's inode too whenever its modification time moved,
+and that time moves in 4 ms steps, so a quiet server's commits each pay
+one more synchronous write than a busy one's (bench/profile.md). A shared VM varies by several times between hours;
 the report prints these beside the run so that two runs can be compared
 knowing whether the machine under them changed.
 
@@ -47,7 +51,9 @@ def handoff(core, other_core=None, rounds=3000, pause=0.0):
     return times
 
 
-def fdatasyncs(folder, count=1000):
+def fdatasyncs(folder, count=1000, pause=0.0):
+    """4 KiB overwrites each followed by fdatasync, `pause` seconds apart;
+    the fdatasyncs' durations."""
     path = os.path.join(folder, "calibrate.tmp")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -59,6 +65,8 @@ def fdatasyncs(folder, count=1000):
             start = time.perf_counter()
             os.fdatasync(fd)
             times.append((time.perf_counter() - start) * 1e6)
+            if pause:
+                time.sleep(pause)
         return times
     finally:
         os.close(fd)
@@ -80,6 +88,7 @@ def main(folder, core):
     other = (core + 1) % os.cpu_count()
     wakes = handoff(core, other, rounds=500, pause=0.001) if other != core else []
     syncs = fdatasyncs(folder)
+    paused = fdatasyncs(folder, count=300, pause=0.005)
     print(json.dumps({
         "handoff_rt_us_p50": round(percentile(hops, 0.5), 1),
         "handoff_rt_us_p99": round(percentile(hops, 0.99), 1),
@@ -87,6 +96,8 @@ def main(folder, core):
         "idle_wake_rt_us_p99": round(percentile(wakes, 0.99), 1) if wakes else None,
         "fdatasync_us_p50": round(percentile(syncs, 0.5), 1),
         "fdatasync_us_p99": round(percentile(syncs, 0.99), 1),
+        "fdatasync_paused_us_p50": round(percentile(paused, 0.5), 1),
+        "fdatasync_paused_us_p99": round(percentile(paused, 0.99), 1),
         "spin_ms": round(spin(), 1),
     }))
 
