@@ -253,11 +253,21 @@ def sustained(scenario, variant=None, limit_us=20_000):
     return max(ok) if ok else None
 
 
+def under_goal(p, external):
+    """Whether a p99 overhead is under the goal by both measures: the
+    external one (Arbor's p99 minus the direct p99) and Arbor's own. The
+    external one alone can pass by accident: when the direct baseline's own
+    p99 spikes in its run, the difference shrinks or turns negative. Arbor's
+    own measure leaves out the network and the client, so it is a lower
+    bound of what Arbor adds; over the goal, the goal is not met."""
+    own = own_overhead(p, "p99")
+    return external is not None and external < GOAL_US and (own is None or own < GOAL_US)
+
+
 knee = None
 for rate in s1_rates:
     p = point("S1", rate, "sqlite")
-    value = s1_overhead_p99(rate)
-    if p.all_ok and value is not None and value < GOAL_US:
+    if p.all_ok and under_goal(p, s1_overhead_p99(rate)):
         knee = rate
 knee_success_only = sustained("S1", "sqlite")
 
@@ -268,17 +278,17 @@ w("|---|---|---|")
 at_2000 = point("S1", 2000, "sqlite")
 if at_2000:
     value = s1_overhead_p99(2000)
-    met = at_2000.all_ok and value is not None and value < GOAL_US
+    met = at_2000.all_ok and under_goal(at_2000, value)
     w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | at 2,000/s: "
       f"p99 overhead {us(value)}, {success_text(at_2000)}, Arbor's own p99 {us(own_overhead(at_2000, 'p99'))}; "
-      f"knee (100% success and p99 overhead < 1 ms): **{rate_text(knee) + ' turns/s' if knee else 'none'}**; "
+      f"knee (100% success, p99 overhead < 1 ms by both measures): **{rate_text(knee) + ' turns/s' if knee else 'none'}**; "
       f"highest rate sustained: {rate_text(knee_success_only) if knee_success_only else 'none'} "
       f"| {'yes' if met else '**no**'} |")
 elif s1_rates:
     w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | not reached: Arbor saturated at "
       f"{rate_text(saturation.get('S1', max(s1_rates)))} turns/s (median latency over 20 ms), so higher rates were not run; "
       f"highest rate sustained: {rate_text(knee_success_only) if knee_success_only else 'none'}/s; "
-      f"knee (100% success and p99 overhead < 1 ms): **{rate_text(knee) + ' turns/s' if knee else 'none'}** | **no** |")
+      f"knee (100% success, p99 overhead < 1 ms by both measures): **{rate_text(knee) + ' turns/s' if knee else 'none'}** | **no** |")
 stream_rates = rates("S3", "sqlite")
 if stream_rates:
     values = [(rate, overhead(point("S3", rate, "sqlite"), point("S0-stream", rate), "first_delta_us", "p99"))
@@ -364,7 +374,7 @@ for rate in s1_rates:
       f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} "
       f"| {mib(p.get('server_peak_rss_kib'))} |")
 w("")
-w(f"Knee (highest rate with 100% success and p99 overhead < 1 ms): **{rate_text(knee) if knee else 'none'}**. "
+w(f"Knee (highest rate with 100% success and p99 overhead < 1 ms, external and Arbor's own): **{rate_text(knee) if knee else 'none'}**. "
   f"Highest rate sustained (100% success, median under 20 ms): "
   f"{rate_text(knee_success_only) if knee_success_only else 'none'}.")
 w("")
