@@ -849,8 +849,8 @@ struct StreamDecoder {
     /// `[DONE]` arrived: the reply is over, whatever the connection does
     /// next, so the rest of the body is not waited for.
     done: bool,
-    /// The last text chunk read whole, to read the next by difference.
-    template: Option<plain::Template>,
+    /// Reads the chunks, by difference from the last where it can.
+    reader: plain::StreamReader,
 }
 
 impl Decode for StreamDecoder {
@@ -869,11 +869,7 @@ impl Decode for StreamDecoder {
             self.done = true;
             return self.close();
         }
-        let plain = match self.template.as_ref().and_then(|template| template.read(data)) {
-            Some(chunk) => Some(chunk),
-            None => plain::read_keeping(data, &mut self.template),
-        };
-        let chunk = match plain {
+        let chunk = match self.reader.read(data) {
             Some(chunk) => chunk,
             None => match serde_json::from_str::<WireChunk>(data) {
                 Ok(chunk) => chunk,

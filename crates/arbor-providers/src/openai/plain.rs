@@ -24,7 +24,8 @@
 //! else. Such a chunk is read in two comparisons and one string (~500
 //! instructions instead of ~3,500). A chunk that differs anywhere else (a
 //! field with a fresh value each time, such as OpenAI's `obfuscation`) is
-//! read whole, as before.
+//! read whole, as before, and a stream whose chunks keep differing stops
+//! being compared ([`StreamReader`]).
 
 use serde_json::Value;
 
@@ -33,15 +34,45 @@ use super::{FirstChoice, WireChoice, WireChunk, WireDelta};
 /// Nesting this reader follows inside ignored values; deeper is serde's.
 const MAX_DEPTH: usize = 16;
 
+/// Consecutive chunks a stream's template may fail to match before the
+/// stream is read whole for good: a server that puts a fresh value in
+/// every chunk (OpenAI's `obfuscation`) would otherwise pay a comparison
+/// and a copy of each chunk for nothing.
+const MISSES_BEFORE_GIVING_UP: u8 = 4;
+
+/// Reads one stream's chunks: by difference from its last text chunk
+/// while that keeps matching, else whole.
+#[derive(Debug, Default)]
+pub(super) struct StreamReader {
+    template: Option<Template>,
+    misses: u8,
+}
+
+impl StreamReader {
+    /// The chunk, when it is plain; `None` when serde_json must decide.
+    pub(super) fn read(&mut self, data: &str) -> Option<WireChunk> {
+        if self.misses >= MISSES_BEFORE_GIVING_UP {
+            return read(data);
+        }
+        if let Some(template) = &self.template {
+            if let Some(chunk) = template.read(data) {
+                self.misses = 0;
+                return Some(chunk);
+            }
+            self.misses += 1;
+        }
+        read_keeping(data, &mut self.template)
+    }
+}
+
 /// The chunk, when it is plain; `None` when serde_json must decide.
-#[cfg(test)]
 fn read(data: &str) -> Option<WireChunk> {
     read_whole(data).map(|(chunk, _)| chunk)
 }
 
 /// Like [`read`]; a chunk read whose choice 0 has text also becomes
 /// `template`, for the chunks after it.
-pub(super) fn read_keeping(data: &str, template: &mut Option<Template>) -> Option<WireChunk> {
+fn read_keeping(data: &str, template: &mut Option<Template>) -> Option<WireChunk> {
     let (chunk, text) = read_whole(data)?;
     if let Some((start, end)) = text {
         let kept = template.get_or_insert_with(Template::default);
@@ -82,7 +113,7 @@ fn read_whole(data: &str) -> Option<(WireChunk, Option<(usize, usize)>)> {
 /// A plain chunk whose choice 0 has text, read whole: the pattern for the
 /// chunks after it (see the module's documentation).
 #[derive(Debug, Default)]
-pub(super) struct Template {
+struct Template {
     data: String,
     /// The text's string: its opening quote, and the byte after its
     /// closing one.
@@ -96,16 +127,17 @@ pub(super) struct Template {
 impl Template {
     /// The chunk, when `data` is this one with other text; `None` when it
     /// must be read whole.
-    pub(super) fn read(&self, data: &str) -> Option<WireChunk> {
+    fn read(&self, data: &str) -> Option<WireChunk> {
         let (bytes, pattern) = (data.as_bytes(), self.data.as_bytes());
         if !bytes.starts_with(&pattern[..self.start]) {
             return None;
         }
         let mut reader = Reader { text: data, bytes, at: self.start, texts: 0, text_at: (0, 0) };
-        let text = reader.string()?;
+        let (raw, escaped) = reader.raw_string()?;
         if bytes[reader.at..] != pattern[self.end..] {
             return None;
         }
+        let text = if escaped { reader.unescape_last(raw)? } else { raw.to_owned() };
         let delta = WireDelta { content: Some(Value::String(text)), ..WireDelta::default() };
         let choice = WireChoice {
             index: self.index,
@@ -547,6 +579,28 @@ mod tests {
         ] {
             assert_eq!(text(&changed), None, "read by difference: {changed}");
         }
+    }
+
+    #[test]
+    fn a_stream_that_never_repeats_itself_is_read_whole() {
+        // Each chunk carries a fresh value after its text, as OpenAI's do.
+        let chunks: Vec<String> = (0..10)
+            .map(|n| format!(r#"{{"choices":[{{"index":0,"delta":{{"content":"t{n}"}}}}],"obfuscation":"{n}"}}"#))
+            .collect();
+        let mut reader = StreamReader::default();
+        for data in &chunks {
+            assert_eq!(reader.read(data), serde_json::from_str(data).ok(), "{data}");
+        }
+        assert_eq!(reader.misses, MISSES_BEFORE_GIVING_UP, "the template was still compared");
+        // A uniform stream keeps its template, a miss or two included.
+        let mut reader = StreamReader::default();
+        let mut uniform = uniform_stream(&[r#""a""#, r#""b""#]);
+        uniform.insert(1, r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#.into());
+        uniform.extend(uniform_stream(&[r#""c""#, r#""d""#, r#""e""#]));
+        for data in &uniform {
+            assert_eq!(reader.read(data), serde_json::from_str(data).ok(), "{data}");
+        }
+        assert_eq!(reader.misses, 0);
     }
 
     #[test]
