@@ -3,12 +3,10 @@ on most: a hand-off between two threads on one core (a turn makes a
 dozen), waking a process on an idle core from the other one (a request
 arriving at a quiet server; on a VM an idle core's wake-up can cost far
 more than a busy one's), an fdatasync on the data directory's disk (a
-durable turn makes two) back to back and after a 5 ms pause, and plain
-CPU. The pause matters on some filesystems: ext4 without a journal (this
-VM's) writes the file's inode too whenever its modification time moved,
-and that time moves in 4 ms steps, so a quiet server's commits each pay
-one more synchronous write than a busy one's (bench/profile.md). A shared VM varies by several times between hours;
-the report prints these beside the run so that two runs can be compared
+durable turn makes two) back to back and 5 ms apart (what a quiet
+server's commits pay; on some filesystems more, see ARCHITECTURE.md),
+and plain CPU. A shared VM varies by several times between hours; the
+report prints these beside the run so that two runs can be compared
 knowing whether the machine under them changed.
 
     python3 bench/calibrate.py DIR CORE   # prints one JSON object

@@ -270,6 +270,9 @@ for rate in s1_rates:
     if p.all_ok and under_goal(p, s1_overhead_p99(rate)):
         knee = rate
 knee_success_only = sustained("S1", "sqlite")
+knee_text = (f"knee (100% success, p99 overhead < 1 ms by both measures): "
+             f"**{rate_text(knee) + ' turns/s' if knee else 'none'}**")
+sustained_text = rate_text(knee_success_only) if knee_success_only else 'none'
 
 w("## Goals (issue 6), checked against this run")
 w("")
@@ -281,14 +284,11 @@ if at_2000:
     met = at_2000.all_ok and under_goal(at_2000, value)
     w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | at 2,000/s: "
       f"p99 overhead {us(value)}, {success_text(at_2000)}, Arbor's own p99 {us(own_overhead(at_2000, 'p99'))}; "
-      f"knee (100% success, p99 overhead < 1 ms by both measures): **{rate_text(knee) + ' turns/s' if knee else 'none'}**; "
-      f"highest rate sustained: {rate_text(knee_success_only) if knee_success_only else 'none'} "
-      f"| {'yes' if met else '**no**'} |")
+      f"{knee_text}; highest rate sustained: {sustained_text} | {'yes' if met else '**no**'} |")
 elif s1_rates:
     w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | not reached: Arbor saturated at "
       f"{rate_text(saturation.get('S1', max(s1_rates)))} turns/s (median latency over 20 ms), so higher rates were not run; "
-      f"highest rate sustained: {rate_text(knee_success_only) if knee_success_only else 'none'}/s; "
-      f"knee (100% success, p99 overhead < 1 ms by both measures): **{rate_text(knee) + ' turns/s' if knee else 'none'}** | **no** |")
+      f"highest rate sustained: {sustained_text}/s; {knee_text} | **no** |")
 stream_rates = rates("S3", "sqlite")
 if stream_rates:
     values = [(rate, overhead(point("S3", rate, "sqlite"), point("S0-stream", rate), "first_delta_us", "p99"))
@@ -376,7 +376,7 @@ for rate in s1_rates:
 w("")
 w(f"Knee (highest rate with 100% success and p99 overhead < 1 ms, external and Arbor's own): **{rate_text(knee) if knee else 'none'}**. "
   f"Highest rate sustained (100% success, median under 20 ms): "
-  f"{rate_text(knee_success_only) if knee_success_only else 'none'}.")
+  f"{sustained_text}.")
 w("")
 
 # ---------------------------------------------------------------- S2
