@@ -9,7 +9,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use arbor_core::Event;
-use arbor_store::{Notice, Store, StoreError, StoreResult};
+use arbor_store::{Store, StoreError, StoreResult};
 use tokio_util::sync::CancellationToken;
 
 use crate::hub::Hub;
@@ -199,8 +199,8 @@ where
 }
 
 /// Stores events the database numbers, one conversation at a time (in the
-/// order they were emitted), publishes them to their hubs and wakes the
-/// other nodes.
+/// order they were emitted), and publishes them to their hubs (the store
+/// wakes the other nodes).
 async fn number_and_publish(store: &dyn Store, closing: &CancellationToken, events: Vec<(Event, Weak<Hub>)>) {
     let mut groups: Vec<(Arc<str>, Weak<Hub>, Vec<Event>)> = Vec::new();
     for (event, hub) in events {
@@ -238,14 +238,9 @@ async fn store_numbered_group(
             return;
         }
     };
+    // The store announced them to the other nodes with its commit.
     if let Some(hub) = hub.upgrade() {
         hub.publish(&numbered, group.len());
-    }
-    if let Some(last) = numbered.last() {
-        let notice = Notice::Events { conversation_id: conversation_id.to_string(), seq: last.seq };
-        if let Err(error) = store.notify(&notice).await {
-            tracing::warn!(%error, "announcing events to the other nodes failed; they will see them on their next read");
-        }
     }
 }
 

@@ -200,7 +200,11 @@ pub trait Store: Send + Sync + 'static {
     /// holes and become visible in order, so a client resuming after `n`
     /// can never skip an event committed later under a smaller number. The
     /// given `seq` values are ignored; the events are returned as stored.
-    /// `NotFound` for an unknown conversation.
+    /// A non-empty batch is announced to the other nodes' listeners with its
+    /// commit ([`Notice::Events`] up to its last number), as [`Store::notify`]
+    /// would, without a round trip of its own; this store's own listeners
+    /// do not get it (the caller has the events). `NotFound` for an unknown
+    /// conversation.
     async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>>;
     /// Events of a conversation with `seq > after`, in order, at most `limit`.
     async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>>;

@@ -29,6 +29,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "turn pending messages", include_str!("../migrations/postgres/0002_turn_pending_messages.sql")),
     (3, "lighter turn writes", include_str!("../migrations/postgres/0003_lighter_turn_writes.sql")),
     (4, "running turns indexed once", include_str!("../migrations/postgres/0004_running_turns_indexed_once.sql")),
+    (5, "event counter", include_str!("../migrations/postgres/0005_event_counter.sql")),
 ];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
@@ -63,11 +64,24 @@ pub struct PostgresStore {
 #[derive(Debug)]
 struct NoticeHub {
     sender: broadcast::Sender<Notice>,
+    /// This store's name in the notices it sends itself, so that its
+    /// listener can leave them out (see [`NUMBERED_EVENTS_INSERT`]).
+    origin: String,
     started: OnceCell<()>,
     /// Dropped with the last clone of the store, which ends the listening
     /// task (it holds the pool, so it would otherwise outlive the store).
     stop: std::sync::Mutex<Option<oneshot::Receiver<()>>>,
     _stop_sender: oneshot::Sender<()>,
+}
+
+/// A notice as sent on [`NOTICE_CHANNEL`]: the store that sent it names
+/// itself only where its own listener must leave it out.
+#[derive(serde::Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    origin: Option<String>,
+    #[serde(flatten)]
+    notice: Notice,
 }
 
 impl PostgresStore {
@@ -93,6 +107,7 @@ impl PostgresStore {
             pool,
             notices: Arc::new(NoticeHub {
                 sender: broadcast::channel(NOTICE_BUFFER).0,
+                origin: uuid::Uuid::now_v7().simple().to_string(),
                 started: OnceCell::new(),
                 stop: std::sync::Mutex::new(Some(stop)),
                 _stop_sender: stop_sender,
@@ -115,14 +130,18 @@ impl PostgresStore {
             return Err(StoreError::Database("the notice listener was started twice".into()));
         };
         let sender = self.notices.sender.clone();
+        let origin = self.notices.origin.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = &mut stop => return,
                     received = listener.try_recv() => match received {
                         Ok(Some(notification)) => {
-                            match serde_json::from_str::<Notice>(notification.payload()) {
-                                Ok(notice) => {
+                            match serde_json::from_str::<Envelope>(notification.payload()) {
+                                // Its own batches' events this node's writer
+                                // has already.
+                                Ok(Envelope { origin: Some(from), .. }) if from == origin => {}
+                                Ok(Envelope { notice, .. }) => {
                                     let _ = sender.send(notice);
                                 }
                                 Err(error) => tracing::warn!(
@@ -476,18 +495,48 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
     Ok(released.is_some())
 }
 
-/// Numbers a batch of one conversation's events after its last stored one
-/// and inserts them, in one statement; returns that last number (the
-/// batch is `last + 1 ..` in order, as `codec::number_events` numbers it).
-/// Run under the conversation's row lock (see `append_events_numbered`).
+/// Numbers a batch of one conversation's events, stores them and announces
+/// them, in one statement and so in one transaction of its own; returns the
+/// number before the batch's first (the batch is `last + 1 ..` in order, as
+/// `codec::number_events` numbers it), or no row when the conversation is
+/// gone.
+///
+/// - Numbering: the conversation's counter moves past the batch. The
+///   `UPDATE` holds the row until the statement commits, so a concurrent
+///   batch (of any node) waits, then numbers from the counter as this one
+///   left it (PostgreSQL re-reads a row updated meanwhile): numbers have no
+///   holes and become visible in order. The counter starts from the highest
+///   stored number when that is larger (events stored before migration 5,
+///   or already numbered by `append_events`).
+/// - Durability: events are not waited on (viewers have them once
+///   numbered), so the commit does not wait for the WAL flush
+///   (`synchronous_commit` off for this transaction). WAL is flushed in
+///   order, so the next synchronous commit (a turn's start or end, on any
+///   node) makes these durable too; a crash of the database can lose only a
+///   suffix of the events, never leave a gap.
+/// - The announcement: a [`Notice::Events`] up to the batch's last number,
+///   sent with the commit, for the other nodes. It names this store as its
+///   `origin`, and this store's listener leaves it out: the node's own
+///   writer publishes the batch once this returns, and a notice that came
+///   first would make the node read the events back from the database.
+///
+/// The two side effects are in the final `SELECT`, which PostgreSQL
+/// evaluates once for the one row `bumped` returns. Parameters: $1 the
+/// conversation, $2–$5 the events' turn ids, names, data and times, $6
+/// their count, $7 the notice channel, $8 the origin.
 const NUMBERED_EVENTS_INSERT: &str = concat!(
-    "WITH last AS (SELECT COALESCE(MAX(seq), 0)::bigint AS seq FROM events WHERE conversation_id = $1), \
+    "WITH bumped AS (UPDATE conversations SET event_seq = GREATEST(event_seq, \
+       (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = $1)) + $6 \
+       WHERE id = $1 RETURNING event_seq), \
      stored AS (INSERT INTO events (",
     event_columns!(),
-    ") SELECT $1, last.seq + batch.position, batch.turn_id, batch.name, batch.data, batch.created_at \
-       FROM last, UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[]) \
+    ") SELECT $1, bumped.event_seq - $6 + batch.position, batch.turn_id, batch.name, batch.data, batch.created_at \
+       FROM bumped, UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[]) \
        WITH ORDINALITY AS batch (turn_id, name, data, created_at, position) RETURNING 1) \
-     SELECT seq FROM last"
+     SELECT event_seq - $6, set_config('synchronous_commit', 'off', true), \
+       pg_notify($7, json_build_object('kind', 'events', 'conversation_id', $1::text, 'seq', event_seq, \
+         'origin', $8::text)::text)::text \
+     FROM bumped"
 );
 
 /// Inserts events in one statement (`UNNEST` of column arrays).
@@ -1102,46 +1151,31 @@ impl Store for PostgresStore {
     }
 
     async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
-        let mut tx = self.begin().await?;
-        // Events are not waited on for durability (viewers have them once
-        // numbered): the commit does not wait for the WAL flush
-        // (`synchronous_commit` off for this transaction). WAL is flushed in
-        // order, so the next synchronous commit (a turn's start or end, on
-        // any node) makes these durable too; a crash of the database can
-        // lose only a suffix of the events, never leave a gap.
-        // The conversation's row lock orders numbering across nodes: the
-        // next writer waits here until this one commits, so numbers become
-        // visible in order. NO KEY UPDATE leaves inserts that merely
-        // reference the conversation (messages, turns) unblocked.
-        let locked: Option<String> = sqlx::query_scalar(
-            "SELECT set_config('synchronous_commit', 'off', true) FROM conversations \
-             WHERE id = $1 FOR NO KEY UPDATE",
-        )
-        .bind(conversation_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if locked.is_none() {
-            return Err(StoreError::NotFound);
-        }
         if events.is_empty() {
-            tx.commit().await?;
-            return Ok(Vec::new());
+            let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM conversations WHERE id = $1")
+                .bind(conversation_id)
+                .fetch_optional(&self.pool)
+                .await?;
+            return found.map(|_| Vec::new()).ok_or(StoreError::NotFound);
         }
-        // A statement of its own, after the lock: under READ COMMITTED its
-        // snapshot then holds the numbers the previous holder committed.
         let turn_ids: Vec<Option<&str>> = events.iter().map(|e| e.turn_id.as_deref()).collect();
         let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
         let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
         let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
-        let last: i64 = sqlx::query_scalar(NUMBERED_EVENTS_INSERT)
+        let count = i64::try_from(events.len())
+            .map_err(|_| StoreError::Database(format!("{} events in one batch", events.len())))?;
+        let last: Option<i64> = sqlx::query_scalar(NUMBERED_EVENTS_INSERT)
             .bind(conversation_id)
             .bind(turn_ids)
             .bind(names)
             .bind(data)
             .bind(created_ats)
-            .fetch_one(&mut *tx)
+            .bind(count)
+            .bind(NOTICE_CHANNEL)
+            .bind(&self.notices.origin)
+            .fetch_optional(&self.pool)
             .await?;
-        tx.commit().await?;
+        let last = last.ok_or(StoreError::NotFound)?;
         Ok(codec::number_events(conversation_id, last, events))
     }
 

@@ -177,6 +177,13 @@ async fn postgres_notices_cross_nodes() {
     on_postgres_pair(story_notices_cross_nodes).await;
 }
 
+/// A batch of events the database numbers wakes the other nodes, and not
+/// the node that stored it (its event writer has the batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_numbered_events_wake_the_other_node() {
+    on_postgres_pair(story_numbered_events_wake_the_other_node).await;
+}
+
 stories!(
     story_notices_reach_listeners,
     story_reservations_hold_and_settle,
@@ -822,6 +829,21 @@ async fn story_notices_cross_nodes(node_a: Arc<dyn Store>, node_b: Arc<dyn Store
         assert_eq!(next_notice(&mut on_b).await, notice, "b hears a");
         assert_eq!(next_notice(&mut on_a).await, notice, "a hears itself");
     }
+}
+
+async fn story_numbered_events_wake_the_other_node(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    alice_with_conversation(&*node_a, None).await;
+    let mut on_a = node_a.listen().await.expect("listen on a");
+    let mut on_b = node_b.listen().await.expect("listen on b");
+    let batch = [event("c1", 0, "{}"), event("c1", 0, r#"{"b":1}"#)];
+    node_a.append_events_numbered("c1", &batch).await.expect("numbered on a");
+    assert_eq!(next_notice(&mut on_b).await, Notice::Events { conversation_id: "c1".into(), seq: 2 }, "b hears a");
+    // Notices arrive in commit order: had the batch's reached a, it would
+    // come before this one.
+    let marker = Notice::TurnFinished { conversation_id: "c1".into(), turn_id: "marker".into() };
+    node_a.notify(&marker).await.expect("notify from a");
+    assert_eq!(next_notice(&mut on_a).await, marker, "a's own batch does not wake a");
+    assert_eq!(next_notice(&mut on_b).await, marker);
 }
 
 fn reservation(id: &str, user: &str, credits: i64, expires_at: i64) -> Reservation {
