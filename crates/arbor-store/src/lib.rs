@@ -47,6 +47,9 @@ impl From<sqlx::Error> for StoreError {
             // A row that points at a missing one: the conversation, user or
             // parent message named does not exist.
             sqlx::Error::Database(database) if database.is_foreign_key_violation() => StoreError::NotFound,
+            // A PostgreSQL statement that found one of its rows gone and
+            // called `arbor_abort` (migration 6).
+            sqlx::Error::Database(database) if database.code().as_deref() == Some("AR404") => StoreError::NotFound,
             _ => StoreError::Database(error.to_string()),
         }
     }

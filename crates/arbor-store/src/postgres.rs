@@ -30,6 +30,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "lighter turn writes", include_str!("../migrations/postgres/0003_lighter_turn_writes.sql")),
     (4, "running turns indexed once", include_str!("../migrations/postgres/0004_running_turns_indexed_once.sql")),
     (5, "event counter", include_str!("../migrations/postgres/0005_event_counter.sql")),
+    (6, "abort function", include_str!("../migrations/postgres/0006_abort_function.sql")),
 ];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
@@ -213,8 +214,9 @@ const NODES_INSERT: &str = nodes_insert!();
 /// in one statement (the round trips of three were on the path of every
 /// turn's first token). Parameters: $1–$16 the messages' arrays
 /// (`NodeArrays`), $17–$36 the turn (`bind_turn`), $37 the new head, $38 the
-/// time and $39 the conversation. Returns the new head version; no row
-/// when the conversation is gone.
+/// time and $39 the conversation. Returns the new head version; when the
+/// conversation is gone it fails with `arbor_abort` (`NotFound`) and keeps
+/// nothing, so it needs no transaction around it.
 const START_TURN: &str = concat!(
     "WITH started AS (INSERT INTO turns (",
     turn_columns!(),
@@ -225,7 +227,7 @@ const START_TURN: &str = concat!(
     " RETURNING 1), \
      head AS (UPDATE conversations SET head_id = $37, head_version = head_version + 1, updated_at = $38 \
        WHERE id = $39 RETURNING head_version) \
-     SELECT head_version FROM head"
+     SELECT COALESCE((SELECT head_version FROM head), arbor_abort('the conversation is gone'))"
 );
 
 /// One node, inserted or, when its id exists, updated in place (identity
@@ -581,9 +583,11 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// Parameters: $1–$16 the reply as `NodeArrays` of one node, or of none;
 /// $17 the reservation (or NULL); $18–$35 the call (`bind_call`);
 /// $36 the time of the head move; $37–$53 the turn (`bind_turn_update`).
-/// Returns whether the
-/// user was charged, their balance after, the new head version (with a
-/// reply) and whether the turn was found.
+/// Returns NULL, the
+/// user's balance after and the new head version (with a reply). When the
+/// user, the reply's conversation or the turn is gone, the first column
+/// calls `arbor_abort` (`NotFound`) and the statement keeps nothing, so it
+/// needs no transaction around it.
 const FINISH_TURN: &str = concat!(
     "WITH gone AS (DELETE FROM credit_reservations WHERE id = $17 RETURNING user_id, credits), \
      released AS (UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
@@ -617,9 +621,29 @@ const FINISH_TURN: &str = concat!(
        cache_write_tokens = $44, cost_micro_usd = $45, reply_message_id = $46, \
        error_code = $47, error_message = $48, started_at = $49, finished_at = $50, \
        pending_messages = $51 WHERE conversation_id = $52 AND id = $53 RETURNING 1) \
-     SELECT (SELECT count(*) FROM charged), (SELECT balance_credits FROM charged), \
-       (SELECT head_version FROM head), (SELECT count(*) FROM finished)"
+     SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM charged) OR NOT EXISTS (SELECT 1 FROM finished) \
+         OR (cardinality($1::text[]) > 0 AND NOT EXISTS (SELECT 1 FROM head)) \
+         THEN arbor_abort('the user, the reply''s conversation or the turn is gone') END, \
+       (SELECT balance_credits FROM charged), (SELECT head_version FROM head)"
 );
+
+/// The usual start of a turn ([`START_TURN`]) with `executor` (the pool, or
+/// a transaction that also reserves credits); returns the new head version.
+async fn start_usual<'e, E>(executor: E, turn: &Turn, nodes: &[Node], updated_at: Millis) -> StoreResult<i64>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    let (conversation_id, last_id) = codec::batch_target(nodes)?;
+    let query = bind_turn(NodeArrays::new(nodes)?.bind(sqlx::query(START_TURN)), turn);
+    let row = query
+        .bind(last_id)
+        .bind(updated_at)
+        .bind(conversation_id)
+        .fetch_one(executor)
+        .await
+        .map_err(codec::running_turn_conflict)?;
+    Ok(row.try_get::<i64, _>(0)?)
+}
 
 /// Inserts a turn with `executor` (the pool, or a shared transaction).
 async fn insert_turn_on<'e, E>(executor: E, turn: &Turn) -> StoreResult<()>
@@ -999,19 +1023,15 @@ impl Store for PostgresStore {
         updated_at: Millis,
         reservation: Option<&Reservation>,
     ) -> StoreResult<TurnStarted> {
+        let usual = !queued_row && !nodes.is_empty();
+        if usual && reservation.is_none() {
+            // One statement is its own transaction: no BEGIN and COMMIT.
+            let head_version = start_usual(&self.pool, turn, nodes, updated_at).await?;
+            return Ok(TurnStarted { head_version, reserved: None });
+        }
         let mut tx = self.begin().await?;
-        let version = if !queued_row && !nodes.is_empty() {
-            // The usual start: a new turn with the user's message.
-            let (conversation_id, last_id) = codec::batch_target(nodes)?;
-            let query = bind_turn(NodeArrays::new(nodes)?.bind(sqlx::query(START_TURN)), turn);
-            let row = query
-                .bind(last_id)
-                .bind(updated_at)
-                .bind(conversation_id)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(codec::running_turn_conflict)?;
-            row.ok_or(StoreError::NotFound)?.try_get::<i64, _>(0)?
+        let version = if usual {
+            start_usual(&mut *tx, turn, nodes, updated_at).await?
         } else {
             let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
             match updated {
@@ -1085,21 +1105,14 @@ impl Store for PostgresStore {
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {
-        // One statement instead of six (and BEGIN/COMMIT around it): each
-        // was a round trip to the database while the turn's `done` waited.
-        let mut tx = self.begin().await?;
+        // One statement instead of six, and no BEGIN and COMMIT around it:
+        // each was a round trip to the database while the turn's `done`
+        // waited.
         let replies = reply.map_or(&[][..], std::slice::from_ref);
         let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN)).bind(reservation_id);
         let query = bind_call(query, call).bind(updated_at);
-        let row = bind_turn_update(query, turn).fetch_one(&mut *tx).await.map_err(codec::running_turn_conflict)?;
-        let (charged, balance_after, head_version, finished): (i64, Option<i64>, Option<i64>, i64) =
-            (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?, row.try_get(3)?);
-        // The user, the reply's conversation or the turn is gone: nothing
-        // is kept (the transaction rolls back when dropped).
-        if charged == 0 || finished == 0 || (!replies.is_empty() && head_version.is_none()) {
-            return Err(StoreError::NotFound);
-        }
-        tx.commit().await?;
+        let row = bind_turn_update(query, turn).fetch_one(&self.pool).await.map_err(codec::running_turn_conflict)?;
+        let (balance_after, head_version): (Option<i64>, Option<i64>) = (row.try_get(1)?, row.try_get(2)?);
         Ok((LedgerEntry::for_call(call, balance_after), head_version))
     }
 

@@ -1286,6 +1286,12 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let same = store.start_turn(&queued, &[], true, 90, None).await.expect("started from the queue");
     assert_eq!(same.head_version, version);
     assert_eq!(store.turn("c1", "t3").await.expect("read").expect("t3").status, TurnStatus::Running);
+
+    // A conversation that is gone: nothing is written.
+    let lost = turn("c404", "t4", TurnStatus::Running, 100);
+    let gone = store.start_turn(&lost, &[node("c404", "u4", None, Message::user("anyone?"))], false, 110, None).await;
+    assert!(matches!(gone, Err(StoreError::NotFound)), "{gone:?}");
+    assert!(store.turn("c404", "t4").await.expect("read").is_none());
 }
 
 /// A limited user's turn holds its first call's credits in the commit that
