@@ -234,16 +234,6 @@ impl TurnTask {
                 tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
             }
         }
-        if self.inner.config.shared {
-            // Wakes nodes holding queued turns for this conversation.
-            let notice = arbor_store::Notice::TurnFinished {
-                conversation_id: self.conversation.id.clone(),
-                turn_id: self.turn.id.clone(),
-            };
-            if let Err(error) = self.inner.store.notify(&notice).await {
-                tracing::warn!(%error, "announcing the end of a turn failed");
-            }
-        }
         let next = self.finish_events(reply.as_ref());
         tracing::info!(
             turn_id = %self.turn_id,
@@ -272,6 +262,18 @@ impl TurnTask {
             // The engine's launcher starts it: a turn task that launched the
             // next turn itself would be a future containing itself.
             self.inner.queue_launch(self.hub.clone(), self.conversation.owner_id.clone(), next);
+        }
+        if self.inner.config.shared {
+            // Wakes nodes holding queued turns for this conversation. Last:
+            // the slot is free in the store already (`finish_turn`), and the
+            // round trip kept the turn's answer and `done` waiting.
+            let notice = arbor_store::Notice::TurnFinished {
+                conversation_id: self.conversation.id.clone(),
+                turn_id: self.turn.id.clone(),
+            };
+            if let Err(error) = self.inner.store.notify(&notice).await {
+                tracing::warn!(%error, "announcing the end of a turn failed");
+            }
         }
     }
 
