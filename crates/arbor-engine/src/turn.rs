@@ -263,10 +263,11 @@ impl TurnTask {
             // next turn itself would be a future containing itself.
             self.inner.queue_launch(self.hub.clone(), self.conversation.owner_id.clone(), next);
         }
-        if self.inner.config.shared {
-            // Wakes nodes holding queued turns for this conversation. Last:
-            // the slot is free in the store already (`finish_turn`), and the
-            // round trip kept the turn's answer and `done` waiting.
+        if self.inner.config.shared && !self.recorded {
+            // Wakes nodes holding queued turns for this conversation (for a
+            // recorded turn, `finish_turn` did). Last: the slot is free in
+            // the store already, and the round trip kept the turn's answer
+            // and `done` waiting.
             let notice = arbor_store::Notice::TurnFinished {
                 conversation_id: self.conversation.id.clone(),
                 turn_id: self.turn.id.clone(),

@@ -175,7 +175,9 @@ pub trait Store: Send + Sync + 'static {
     /// stores the call, its reply and its charge as [`Store::record_call`]
     /// does, moves the head to the reply (when there is one) and writes the
     /// finished turn. Returns the ledger entry and the head version after
-    /// the move.
+    /// the move. Announces [`Notice::TurnFinished`] to every node's
+    /// listeners with its commit, as [`Store::notify`] would, without a
+    /// round trip of its own.
     async fn finish_turn(
         &self,
         turn: &Turn,

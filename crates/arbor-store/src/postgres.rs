@@ -584,10 +584,11 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// $17 the reservation (or NULL); $18–$35 the call (`bind_call`);
 /// $36 the time of the head move; $37–$53 the turn (`bind_turn_update`).
 /// Returns NULL, the
-/// user's balance after and the new head version (with a reply). When the
+/// user's balance after and the new head version (with a reply), and sends
+/// [`Notice::TurnFinished`] on the channel $54 with the commit. When the
 /// user, the reply's conversation or the turn is gone, the first column
-/// calls `arbor_abort` (`NotFound`) and the statement keeps nothing, so it
-/// needs no transaction around it.
+/// calls `arbor_abort` (`NotFound`) and the statement keeps nothing (nor
+/// sends anything), so it needs no transaction around it.
 const FINISH_TURN: &str = concat!(
     "WITH gone AS (DELETE FROM credit_reservations WHERE id = $17 RETURNING user_id, credits), \
      released AS (UPDATE users SET reserved_credits = GREATEST(users.reserved_credits - gone.credits, 0) \
@@ -624,7 +625,9 @@ const FINISH_TURN: &str = concat!(
      SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM charged) OR NOT EXISTS (SELECT 1 FROM finished) \
          OR (cardinality($1::text[]) > 0 AND NOT EXISTS (SELECT 1 FROM head)) \
          THEN arbor_abort('the user, the reply''s conversation or the turn is gone') END, \
-       (SELECT balance_credits FROM charged), (SELECT head_version FROM head)"
+       (SELECT balance_credits FROM charged), (SELECT head_version FROM head), \
+       pg_notify($54, json_build_object('kind', 'turn_finished', 'conversation_id', $52::text, \
+         'turn_id', $53::text)::text)::text"
 );
 
 /// The usual start of a turn ([`START_TURN`]) with `executor` (the pool, or
@@ -1111,7 +1114,11 @@ impl Store for PostgresStore {
         let replies = reply.map_or(&[][..], std::slice::from_ref);
         let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN)).bind(reservation_id);
         let query = bind_call(query, call).bind(updated_at);
-        let row = bind_turn_update(query, turn).fetch_one(&self.pool).await.map_err(codec::running_turn_conflict)?;
+        let row = bind_turn_update(query, turn)
+            .bind(NOTICE_CHANNEL)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(codec::running_turn_conflict)?;
         let (balance_after, head_version): (Option<i64>, Option<i64>) = (row.try_get(1)?, row.try_get(2)?);
         Ok((LedgerEntry::for_call(call, balance_after), head_version))
     }

@@ -1202,10 +1202,14 @@ async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
     running.finished_at = Some(50);
     let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
+    let mut listener = store.listen().await.expect("listen");
     let (entry, head_version) = store
         .finish_turn(&running, &call("k1", "alice", "c1", "t1", 250), Some(&reply), Some("r1"), 60)
         .await
         .expect("finished");
+    // Announced with the commit, without a `notify` of its own.
+    let announced = Notice::TurnFinished { conversation_id: "c1".into(), turn_id: "t1".into() };
+    assert_eq!(next_notice(&mut listener).await, announced);
     assert_eq!(entry.credits, 250);
     assert_eq!(entry.balance_after, Some(750));
     assert_eq!(head_version, Some(before + 1));
@@ -1237,8 +1241,13 @@ async fn story_finish_turn_of_a_missing_turn_keeps_nothing(store: Arc<dyn Store>
     let mut ghost = turn("c1", "t9", TurnStatus::Succeeded, 30);
     ghost.reply_message_id = Some("a1".into());
     let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let mut listener = store.listen().await.expect("listen");
     let finished = store.finish_turn(&ghost, &call("k1", "alice", "c1", "t9", 250), Some(&reply), Some("r1"), 60).await;
     assert!(matches!(finished, Err(StoreError::NotFound)), "{finished:?}");
+    // Nothing announced: a notice sent after it is the first to arrive.
+    let marker = Notice::CancelTurn { conversation_id: "c1".into(), turn_id: "marker".into() };
+    store.notify(&marker).await.expect("notify");
+    assert_eq!(next_notice(&mut listener).await, marker, "a failed finish announced the turn's end");
     assert!(store.message("c1", "a1").await.expect("read").is_none(), "the reply was kept");
     assert!(store.api_calls("t9").await.expect("read").is_empty(), "the call was kept");
     assert!(store.ledger("alice", 10).await.expect("read").is_empty(), "the charge was kept");

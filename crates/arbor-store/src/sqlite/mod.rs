@@ -1153,21 +1153,27 @@ impl Store for SqliteStore {
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {
-        let (turn, call, reply) = (turn.clone(), call.clone(), reply.cloned());
+        let (call, reply) = (call.clone(), reply.cloned());
         let reservation_id = reservation_id.map(str::to_string);
-        self.write(move |connection| {
-            if let Some(reservation_id) = &reservation_id {
-                release(connection, reservation_id)?;
-            }
-            let entry = charge_call(connection, &call, reply.as_ref())?;
-            let head_version = match &reply {
-                Some(node) => Some(advance_head(connection, &node.conversation_id, Some(&node.id), updated_at)?),
-                None => None,
-            };
-            update_turn(connection, &turn)?;
-            Ok((entry, head_version))
-        })
-        .await
+        let written = turn.clone();
+        let finished = self
+            .write(move |connection| {
+                if let Some(reservation_id) = &reservation_id {
+                    release(connection, reservation_id)?;
+                }
+                let entry = charge_call(connection, &call, reply.as_ref())?;
+                let head_version = match &reply {
+                    Some(node) => Some(advance_head(connection, &node.conversation_id, Some(&node.id), updated_at)?),
+                    None => None,
+                };
+                update_turn(connection, &written)?;
+                Ok((entry, head_version))
+            })
+            .await?;
+        let notice = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
+        // No listener is not an error (as in `notify`).
+        let _ = self.notices.send(notice);
+        Ok(finished)
     }
 
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {
