@@ -393,6 +393,17 @@ impl Engine {
         self.inner.store.conversation(&user.id, conversation_id).await?.ok_or(EngineError::NotFound("conversation"))
     }
 
+    /// The user's conversation and their available credits (`None`:
+    /// unlimited), in one read.
+    async fn conversation_for_turn(
+        &self,
+        user: &User,
+        conversation_id: &str,
+    ) -> EngineResult<(Conversation, Option<i64>)> {
+        let found = self.inner.store.conversation_for_turn(&user.id, conversation_id).await?;
+        found.ok_or(EngineError::NotFound("conversation"))
+    }
+
     pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
         // A busy conversation's tree is in memory; others come from the store.

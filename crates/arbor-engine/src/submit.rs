@@ -95,7 +95,7 @@ impl Engine {
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
-        let conversation = self.conversation(user, conversation_id).await?;
+        let (conversation, available) = self.conversation_for_turn(user, conversation_id).await?;
         let model = self.inner.models.resolve(submit.model.as_deref().unwrap_or(&conversation.model))?;
         if let Some(expected) = submit.if_head_version
             && expected != conversation.head_version
@@ -127,7 +127,7 @@ impl Engine {
             let head_id = new.nodes.last().map(|node| node.id.clone());
             return Ok(Submitted::Recorded { messages: new.nodes, head_id, head_version });
         }
-        let limited = self.inner.check_quota(user).await?;
+        let limited = check_quota(available)?;
         let handle = self
             .inner
             .clone()
@@ -161,7 +161,7 @@ impl Engine {
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
-        let conversation = self.conversation(user, conversation_id).await?;
+        let (conversation, available) = self.conversation_for_turn(user, conversation_id).await?;
         let model = self.inner.models.resolve(model.unwrap_or(&conversation.model))?;
         let target_id = message_id
             .map(str::to_string)
@@ -178,7 +178,7 @@ impl Engine {
             Role::User | Role::Tool => target.id.clone(),
             Role::System => return Err(EngineError::InvalidInput("a system message cannot be regenerated".into())),
         };
-        let limited = self.inner.check_quota(user).await?;
+        let limited = check_quota(available)?;
         let hub = self.hub(&conversation.id).await?;
         self.inner
             .clone()
@@ -360,20 +360,6 @@ impl Inner {
             running.cancel.cancel();
         }
         Ok(())
-    }
-
-    /// The quota is read fresh: a cached user may hold an old balance.
-    /// Returns whether the user's spending is limited (calls then reserve
-    /// credits before they are made).
-    pub(crate) async fn check_quota(&self, user: &User) -> EngineResult<bool> {
-        let available = self.store.available_credits(&user.id).await.map_err(|error| match error {
-            StoreError::NotFound => EngineError::NotFound("user"),
-            other => other.into(),
-        })?;
-        if available.is_some_and(|credits| credits <= 0) {
-            return Err(EngineError::QuotaExceeded);
-        }
-        Ok(available.is_some())
     }
 
     /// Appends nodes (moving the head to the last) and announces them.
@@ -805,6 +791,17 @@ impl Inner {
 
 /// The queued turn's messages, hung under the head as it is now unless the
 /// client placed them itself.
+/// Refuses a turn of a user with no credits left. `available` is read with
+/// the conversation, fresh for this request (a cached user may hold an old
+/// balance). Returns whether the user's spending is limited (calls then
+/// reserve credits before they are made).
+fn check_quota(available: Option<i64>) -> EngineResult<bool> {
+    if available.is_some_and(|credits| credits <= 0) {
+        return Err(EngineError::QuotaExceeded);
+    }
+    Ok(available.is_some())
+}
+
 fn chain(queued: &QueuedTurn, conversation: &Conversation) -> Vec<Node> {
     if queued.anchored || !queued.waited {
         return queued.nodes.clone();

@@ -94,6 +94,14 @@ pub trait Store: Send + Sync + 'static {
     async fn create_conversation(&self, conversation: &Conversation) -> StoreResult<()>;
     /// The owner's conversation, or `None` (also when someone else owns it).
     async fn conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<Option<Conversation>>;
+    /// The owner's conversation with the owner's available credits (as
+    /// [`Store::available_credits`] reads them), in one read: what a turn
+    /// reads first. `None` as for [`Store::conversation`].
+    async fn conversation_for_turn(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+    ) -> StoreResult<Option<(Conversation, Option<i64>)>>;
     /// The owner's conversations, newest first (by `created_at`, then id),
     /// starting after `cursor` when given.
     async fn list_conversations(

@@ -834,6 +834,28 @@ impl Store for PostgresStore {
         row.as_ref().map(codec::conversation_from_row).transpose()
     }
 
+    async fn conversation_for_turn(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+    ) -> StoreResult<Option<(Conversation, Option<i64>)>> {
+        // The owner's row exists while the conversation does (the foreign
+        // key cascades), so the subquery always finds it.
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            conversation_columns!(),
+            ", (SELECT balance_credits - reserved_credits FROM users WHERE users.id = $1) AS available_credits \
+             FROM conversations WHERE owner_id = $1 AND id = $2"
+        ))
+        .bind(owner_id)
+        .bind(conversation_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let available: Option<i64> = row.try_get("available_credits")?;
+        Ok(Some((codec::conversation_from_row(&row)?, available)))
+    }
+
     async fn list_conversations(
         &self,
         owner_id: &str,

@@ -397,6 +397,10 @@ async fn story_owners_see_only_their_conversations(store: Arc<dyn Store>) {
     store.create_user(&user("bob", None)).await.expect("bob");
 
     assert_eq!(store.conversation("bob", "c1").await.expect("read"), None);
+    assert_eq!(store.conversation_for_turn("bob", "c1").await.expect("read"), None);
+    // Read with its owner's credits: alice is unlimited.
+    let for_turn = store.conversation_for_turn("alice", "c1").await.expect("read");
+    assert_eq!(for_turn, Some((conversation("alice", "c1", 10), None)));
     assert!(store.list_conversations("bob", None, 10).await.expect("list").is_empty());
     let update = ConversationUpdate { title: Some("mine now".into()), updated_at: 99, ..ConversationUpdate::default() };
     assert!(matches!(store.update_conversation("bob", "c1", &update).await, Err(StoreError::NotFound)));
@@ -867,6 +871,8 @@ async fn story_reservations_hold_and_settle(store: Arc<dyn Store>) {
     );
     // A refused reservation holds nothing, and the balance is untouched.
     assert_eq!(store.available_credits("alice").await.expect("available"), Some(400));
+    let (_, available) = store.conversation_for_turn("alice", "c1").await.expect("read").expect("c1");
+    assert_eq!(available, Some(400), "read with the conversation, the hold counts too");
     assert_eq!(balance(&*store, "alice").await, Some(1_000));
 
     // Settling gives the hold back and charges the real cost, atomically.

@@ -896,6 +896,35 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn conversation_for_turn(
+        &self,
+        owner_id: &str,
+        conversation_id: &str,
+    ) -> StoreResult<Option<(Conversation, Option<i64>)>> {
+        let (owner_id, conversation_id) = (owner_id.to_string(), conversation_id.to_string());
+        self.read_point(move |connection| {
+            // The owner's row exists while the conversation does (the
+            // foreign key cascades), so the subquery always finds it.
+            query_one(
+                connection,
+                concat!(
+                    "SELECT ",
+                    conversation_columns!(),
+                    ", (SELECT balance_credits - reserved_credits FROM users WHERE users.id = ?1) \
+                     AS available_credits FROM conversations WHERE owner_id = ?1 AND id = ?2"
+                ),
+                [owner_id, conversation_id],
+                |row| {
+                    Ok((
+                        codec::conversation_from_row(row)?,
+                        codec::RowSource::optional_integer(row, "available_credits")?,
+                    ))
+                },
+            )
+        })
+        .await
+    }
+
     async fn list_conversations(
         &self,
         owner_id: &str,
