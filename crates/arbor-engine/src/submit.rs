@@ -789,8 +789,6 @@ impl Inner {
     }
 }
 
-/// The queued turn's messages, hung under the head as it is now unless the
-/// client placed them itself.
 /// Refuses a turn of a user with no credits left. `available` is read with
 /// the conversation, fresh for this request (a cached user may hold an old
 /// balance). Returns whether the user's spending is limited (calls then
@@ -802,6 +800,8 @@ fn check_quota(available: Option<i64>) -> EngineResult<bool> {
     Ok(available.is_some())
 }
 
+/// The queued turn's messages, hung under the head as it is now unless the
+/// client placed them itself.
 fn chain(queued: &QueuedTurn, conversation: &Conversation) -> Vec<Node> {
     if queued.anchored || !queued.waited {
         return queued.nodes.clone();
