@@ -110,10 +110,12 @@ pub(crate) async fn catch_up(inner: &Inner, hub: &Hub) {
 }
 
 /// Keeps a running turn's lease while it runs; if another node took the turn
-/// over (this node was thought dead), stops it.
+/// over (this node was thought dead), stops it. The turn started holding
+/// the lease (`start_turn`), so the first renewal is a third of it later.
 pub(crate) async fn keep_lease(inner: Arc<Inner>, turn_id: String, cancel: CancellationToken) {
     let lease = inner.config.turn_lease;
     loop {
+        tokio::time::sleep(lease / 3).await;
         let expires_at = now_millis() + lease.as_millis() as i64;
         match inner.store.renew_lease(&turn_id, &inner.node_id, expires_at).await {
             Ok(true) => {}
@@ -124,7 +126,6 @@ pub(crate) async fn keep_lease(inner: Arc<Inner>, turn_id: String, cancel: Cance
             }
             Err(error) => tracing::warn!(%error, %turn_id, "renewing a turn's lease failed"),
         }
-        tokio::time::sleep(lease / 3).await;
     }
 }
 

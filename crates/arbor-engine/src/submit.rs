@@ -622,7 +622,14 @@ impl Inner {
         } else {
             None
         };
-        let started = self.store.start_turn(&turn, &nodes, queued.waited, now_millis(), reservation.as_ref()).await;
+        // With several nodes the turn starts holding its lease, which
+        // `cluster::keep_lease` then renews.
+        let lease = self
+            .config
+            .shared
+            .then(|| (self.node_id.as_str(), now_millis() + self.config.turn_lease.as_millis() as i64));
+        let started =
+            self.store.start_turn(&turn, &nodes, queued.waited, now_millis(), reservation.as_ref(), lease).await;
         let (head_version, hold) = match started {
             Ok(TurnStarted { head_version, reserved }) => (head_version, Hold::of(reservation.zip(reserved))),
             Err(StoreError::Conflict(_)) => {

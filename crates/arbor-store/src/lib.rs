@@ -155,7 +155,11 @@ pub trait Store: Send + Sync + 'static {
     /// transaction holds credits for the turn's first call as
     /// [`Store::reserve_credits`] does; credits that do not cover it are
     /// reported in [`TurnStarted::reserved`] and the turn and its messages
-    /// are written all the same (the user's message is never lost).
+    /// are written all the same (the user's message is never lost). With
+    /// `lease` (`(owner, expires_at)`, as [`Store::renew_lease`] takes it),
+    /// the turn is written holding it: a node that dies right after the
+    /// start leaves a turn the others can take over, not one without a
+    /// lease, which none would.
     async fn start_turn(
         &self,
         turn: &Turn,
@@ -163,6 +167,7 @@ pub trait Store: Send + Sync + 'static {
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
+        lease: Option<(&str, Millis)>,
     ) -> StoreResult<TurnStarted>;
     async fn turn(&self, conversation_id: &str, turn_id: &str) -> StoreResult<Option<Turn>>;
     /// Turns in one of `statuses`, across all conversations (crash recovery).

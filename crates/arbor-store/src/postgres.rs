@@ -214,14 +214,15 @@ const NODES_INSERT: &str = nodes_insert!();
 /// in one statement (the round trips of three were on the path of every
 /// turn's first token). Parameters: $1–$16 the messages' arrays
 /// (`NodeArrays`), $17–$36 the turn (`bind_turn`), $37 the new head, $38 the
-/// time and $39 the conversation. Returns the new head version; when the
+/// time, $39 the conversation and $40, $41 the lease's owner and expiry
+/// (NULL without one). Returns the new head version; when the
 /// conversation is gone it fails with `arbor_abort` (`NotFound`) and keeps
 /// nothing, so it needs no transaction around it.
 const START_TURN: &str = concat!(
     "WITH started AS (INSERT INTO turns (",
     turn_columns!(),
-    ") VALUES ($17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34, $35, \
-       $36) RETURNING 1), \
+    ", lease_owner, lease_expires_at) VALUES ($17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, \
+       $30, $31, $32, $33, $34, $35, $36, $40, $41) RETURNING 1), \
      added AS (",
     nodes_insert!(),
     " RETURNING 1), \
@@ -632,7 +633,13 @@ const FINISH_TURN: &str = concat!(
 
 /// The usual start of a turn ([`START_TURN`]) with `executor` (the pool, or
 /// a transaction that also reserves credits); returns the new head version.
-async fn start_usual<'e, E>(executor: E, turn: &Turn, nodes: &[Node], updated_at: Millis) -> StoreResult<i64>
+async fn start_usual<'e, E>(
+    executor: E,
+    turn: &Turn,
+    nodes: &[Node],
+    updated_at: Millis,
+    lease: Option<(&str, Millis)>,
+) -> StoreResult<i64>
 where
     E: sqlx::Executor<'e, Database = Postgres>,
 {
@@ -642,6 +649,8 @@ where
         .bind(last_id)
         .bind(updated_at)
         .bind(conversation_id)
+        .bind(lease.map(|(owner, _)| owner))
+        .bind(lease.map(|(_, expires_at)| expires_at))
         .fetch_one(executor)
         .await
         .map_err(codec::running_turn_conflict)?;
@@ -1047,22 +1056,31 @@ impl Store for PostgresStore {
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
+        lease: Option<(&str, Millis)>,
     ) -> StoreResult<TurnStarted> {
         let usual = !queued_row && !nodes.is_empty();
         if usual && reservation.is_none() {
             // One statement is its own transaction: no BEGIN and COMMIT.
-            let head_version = start_usual(&self.pool, turn, nodes, updated_at).await?;
+            let head_version = start_usual(&self.pool, turn, nodes, updated_at, lease).await?;
             return Ok(TurnStarted { head_version, reserved: None });
         }
         let mut tx = self.begin().await?;
         let version = if usual {
-            start_usual(&mut *tx, turn, nodes, updated_at).await?
+            start_usual(&mut *tx, turn, nodes, updated_at, lease).await?
         } else {
             let updated = if queued_row { update_turn_on(&mut *tx, turn).await } else { Err(StoreError::NotFound) };
             match updated {
                 Ok(()) => {}
                 Err(StoreError::NotFound) => insert_turn_on(&mut *tx, turn).await?,
                 Err(error) => return Err(error),
+            }
+            if let Some((owner, expires_at)) = lease {
+                sqlx::query("UPDATE turns SET lease_owner = $1, lease_expires_at = $2 WHERE id = $3")
+                    .bind(owner)
+                    .bind(expires_at)
+                    .bind(&turn.id)
+                    .execute(&mut *tx)
+                    .await?;
             }
             if nodes.is_empty() {
                 let version: Option<i64> = sqlx::query_scalar("SELECT head_version FROM conversations WHERE id = $1")

@@ -1270,10 +1270,13 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
     let first = turn("c1", "t1", TurnStatus::Running, 30);
     let started = store
-        .start_turn(&first, &[node("c1", "u1", None, Message::user("hi"))], false, 40, None)
+        .start_turn(&first, &[node("c1", "u1", None, Message::user("hi"))], false, 40, None, Some(("node-a", 500)))
         .await
         .expect("started");
     assert_eq!(started, TurnStarted { head_version: before + 1, reserved: None });
+    // Started holding its lease: a node that dies now leaves it to the others.
+    assert_eq!(store.turn_lease("t1").await.expect("lease"), Some(("node-a".into(), 500)));
+    assert!(store.expired_running_turns(500).await.expect("expired").iter().any(|t| t.id == "t1"));
     let version = started.head_version;
     assert_eq!(store.turn("c1", "t1").await.expect("read").expect("t1").status, TurnStatus::Running);
     assert!(store.message("c1", "u1").await.expect("read").is_some());
@@ -1281,7 +1284,7 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     // A second running turn: refused, and its message is not written.
     let second = turn("c1", "t2", TurnStatus::Running, 50);
     let refused =
-        store.start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no"))], false, 60, None).await;
+        store.start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no"))], false, 60, None, None).await;
     assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
     assert!(store.message("c1", "u2").await.expect("read").is_none());
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
@@ -1290,7 +1293,8 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let mut done = first.clone();
     done.status = TurnStatus::Succeeded;
     store.update_turn(&done).await.expect("finished");
-    let reused = store.start_turn(&second, &[node("c1", "u1", None, Message::user("again"))], false, 70, None).await;
+    let reused =
+        store.start_turn(&second, &[node("c1", "u1", None, Message::user("again"))], false, 70, None, None).await;
     assert!(matches!(reused, Err(StoreError::Conflict(_))), "{reused:?}");
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
 
@@ -1298,13 +1302,16 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let mut queued = turn("c1", "t3", TurnStatus::Queued, 80);
     store.insert_turn(&queued).await.expect("queued");
     queued.status = TurnStatus::Running;
-    let same = store.start_turn(&queued, &[], true, 90, None).await.expect("started from the queue");
+    let same =
+        store.start_turn(&queued, &[], true, 90, None, Some(("node-b", 900))).await.expect("started from the queue");
+    assert_eq!(store.turn_lease("t3").await.expect("lease"), Some(("node-b".into(), 900)));
     assert_eq!(same.head_version, version);
     assert_eq!(store.turn("c1", "t3").await.expect("read").expect("t3").status, TurnStatus::Running);
 
     // A conversation that is gone: nothing is written.
     let lost = turn("c404", "t4", TurnStatus::Running, 100);
-    let gone = store.start_turn(&lost, &[node("c404", "u4", None, Message::user("anyone?"))], false, 110, None).await;
+    let gone =
+        store.start_turn(&lost, &[node("c404", "u4", None, Message::user("anyone?"))], false, 110, None, None).await;
     assert!(matches!(gone, Err(StoreError::NotFound)), "{gone:?}");
     assert!(store.turn("c404", "t4").await.expect("read").is_none());
 }
@@ -1322,9 +1329,11 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
             false,
             40,
             Some(&reservation("r1", "alice", 600, 10_000)),
+            Some(("node-a", 700)),
         )
         .await
         .expect("started");
+    assert_eq!(store.turn_lease("t1").await.expect("lease"), Some(("node-a".into(), 700)));
     assert_eq!(started.reserved, Some(ReserveOutcome::Reserved { available_after: Some(400) }));
     assert_eq!(store.available_credits("alice").await.expect("available"), Some(400));
     assert_eq!(balance(&*store, "alice").await, Some(1_000), "a hold is not a charge");
@@ -1344,6 +1353,7 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
             false,
             70,
             Some(&reservation("r2", "alice", 901, 10_000)),
+            None,
         )
         .await
         .expect("started");
@@ -1362,6 +1372,7 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
             false,
             90,
             Some(&reservation("r3", "alice", 10, 10_000)),
+            None,
         )
         .await;
     assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");

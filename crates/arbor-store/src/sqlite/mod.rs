@@ -1112,14 +1112,21 @@ impl Store for SqliteStore {
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
+        lease: Option<(&str, Millis)>,
     ) -> StoreResult<TurnStarted> {
         let (turn, nodes, reservation) = (turn.clone(), nodes.to_vec(), reservation.cloned());
+        let lease = lease.map(|(owner, expires_at)| (owner.to_string(), expires_at));
         self.write(move |connection| {
             let updated = if queued_row { update_turn(connection, &turn) } else { Err(StoreError::NotFound) };
             match updated {
                 Ok(()) => {}
                 Err(StoreError::NotFound) => insert_turn(connection, &turn)?,
                 Err(error) => return Err(error),
+            }
+            if let Some((owner, expires_at)) = &lease {
+                connection
+                    .cached("UPDATE turns SET lease_owner = ?1, lease_expires_at = ?2 WHERE id = ?3")?
+                    .execute(params![owner, expires_at, turn.id])?;
             }
             let head_version = if nodes.is_empty() {
                 head_version(connection, &turn.conversation_id)?
