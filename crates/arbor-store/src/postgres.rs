@@ -525,20 +525,20 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
 ///
 /// The two side effects are in the final `SELECT`, which PostgreSQL
 /// evaluates once for the one row `bumped` returns. Parameters: $1 the
-/// conversation, $2–$5 the events' turn ids, names, data and times, $6
-/// their count, $7 the notice channel, $8 the origin.
+/// conversation, $2–$5 the events' turn ids, names, data and times, $6 the
+/// notice channel, $7 the origin.
 const NUMBERED_EVENTS_INSERT: &str = concat!(
     "WITH bumped AS (UPDATE conversations SET event_seq = GREATEST(event_seq, \
-       (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = $1)) + $6 \
-       WHERE id = $1 RETURNING event_seq), \
+       (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = $1)) + cardinality($2::text[]) \
+       WHERE id = $1 RETURNING event_seq - cardinality($2::text[]) AS before, event_seq AS last), \
      stored AS (INSERT INTO events (",
     event_columns!(),
-    ") SELECT $1, bumped.event_seq - $6 + batch.position, batch.turn_id, batch.name, batch.data, batch.created_at \
+    ") SELECT $1, bumped.before + batch.position, batch.turn_id, batch.name, batch.data, batch.created_at \
        FROM bumped, UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[]) \
        WITH ORDINALITY AS batch (turn_id, name, data, created_at, position) RETURNING 1) \
-     SELECT event_seq - $6, set_config('synchronous_commit', 'off', true), \
-       pg_notify($7, json_build_object('kind', 'events', 'conversation_id', $1::text, 'seq', event_seq, \
-         'origin', $8::text)::text)::text \
+     SELECT before, set_config('synchronous_commit', 'off', true), \
+       pg_notify($6, json_build_object('kind', 'events', 'conversation_id', $1::text, 'seq', last, \
+         'origin', $7::text)::text)::text \
      FROM bumped"
 );
 
@@ -586,7 +586,8 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// $36 the time of the head move; $37–$53 the turn (`bind_turn_update`).
 /// Returns NULL, the
 /// user's balance after and the new head version (with a reply), and sends
-/// [`Notice::TurnFinished`] on the channel $54 with the commit. When the
+/// $55 (the turn's [`Notice::TurnFinished`], see [`notice_payload`]) on the
+/// channel $54 with the commit. When the
 /// user, the reply's conversation or the turn is gone, the first column
 /// calls `arbor_abort` (`NotFound`) and the statement keeps nothing (nor
 /// sends anything), so it needs no transaction around it.
@@ -627,9 +628,14 @@ const FINISH_TURN: &str = concat!(
          OR (cardinality($1::text[]) > 0 AND NOT EXISTS (SELECT 1 FROM head)) \
          THEN arbor_abort('the user, the reply''s conversation or the turn is gone') END, \
        (SELECT balance_credits FROM charged), (SELECT head_version FROM head), \
-       pg_notify($54, json_build_object('kind', 'turn_finished', 'conversation_id', $52::text, \
-         'turn_id', $53::text)::text)::text"
+       pg_notify($54, $55)::text"
 );
+
+/// A notice as sent on [`NOTICE_CHANNEL`] (the listener reads it back as
+/// an [`Envelope`]).
+fn notice_payload(notice: &Notice) -> StoreResult<String> {
+    serde_json::to_string(notice).map_err(|error| StoreError::Database(format!("cannot encode a notice: {error}")))
+}
 
 /// The usual start of a turn ([`START_TURN`]) with `executor` (the pool, or
 /// a transaction that also reserves credits); returns the new head version.
@@ -1154,8 +1160,10 @@ impl Store for PostgresStore {
         let replies = reply.map_or(&[][..], std::slice::from_ref);
         let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN)).bind(reservation_id);
         let query = bind_call(query, call).bind(updated_at);
+        let finished = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
         let row = bind_turn_update(query, turn)
             .bind(NOTICE_CHANNEL)
+            .bind(notice_payload(&finished)?)
             .fetch_one(&self.pool)
             .await
             .map_err(codec::running_turn_conflict)?;
@@ -1222,15 +1230,12 @@ impl Store for PostgresStore {
         let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
         let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
         let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
-        let count = i64::try_from(events.len())
-            .map_err(|_| StoreError::Database(format!("{} events in one batch", events.len())))?;
         let last: Option<i64> = sqlx::query_scalar(NUMBERED_EVENTS_INSERT)
             .bind(conversation_id)
             .bind(turn_ids)
             .bind(names)
             .bind(data)
             .bind(created_ats)
-            .bind(count)
             .bind(NOTICE_CHANNEL)
             .bind(&self.notices.origin)
             .fetch_optional(&self.pool)
@@ -1263,8 +1268,7 @@ impl Store for PostgresStore {
     }
 
     async fn notify(&self, notice: &Notice) -> StoreResult<()> {
-        let payload = serde_json::to_string(notice)
-            .map_err(|error| StoreError::Database(format!("cannot encode a notice: {error}")))?;
+        let payload = notice_payload(notice)?;
         sqlx::query("SELECT pg_notify($1, $2)").bind(NOTICE_CHANNEL).bind(payload).execute(&self.pool).await?;
         Ok(())
     }

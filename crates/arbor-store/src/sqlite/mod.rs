@@ -1189,9 +1189,9 @@ impl Store for SqliteStore {
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {
-        let (call, reply) = (call.clone(), reply.cloned());
+        let notice = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
+        let (turn, call, reply) = (turn.clone(), call.clone(), reply.cloned());
         let reservation_id = reservation_id.map(str::to_string);
-        let written = turn.clone();
         let finished = self
             .write(move |connection| {
                 if let Some(reservation_id) = &reservation_id {
@@ -1202,11 +1202,10 @@ impl Store for SqliteStore {
                     Some(node) => Some(advance_head(connection, &node.conversation_id, Some(&node.id), updated_at)?),
                     None => None,
                 };
-                update_turn(connection, &written)?;
+                update_turn(connection, &turn)?;
                 Ok((entry, head_version))
             })
             .await?;
-        let notice = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
         // No listener is not an error (as in `notify`).
         let _ = self.notices.send(notice);
         Ok(finished)
