@@ -10,7 +10,9 @@
 #   bench/memprobe.sh [ARBOR_BIN] [RATE] [SECONDS]    # defaults: the release build, 2000, 12
 #
 # EXTRA_TOML is appended to Arbor's config (e.g. "[server]
-# idle_conversations_kept = 64"). Needs a release build
+# idle_conversations_kept = 64"). MOCK_DELAY_MS sets the mock's delay
+# (default 60): RSS against it gives the memory of a turn in flight.
+# MEMPROBE_SPLIT=1 also prints RssAnon / RssFile / RssShmem. Needs a release build
 # (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,7 +22,7 @@ RATE=${2:-2000}
 SECONDS_MEASURED=${3:-12}
 source "$ROOT/bench/common.sh"
 open_work memprobe
-start_mock0 60
+start_mock0 "${MOCK_DELAY_MS:-60}"
 if [[ -n ${EXTRA_TOML:-} ]]; then printf '\n%s\n' "$EXTRA_TOML" >>"$WORK/arbor.toml"; fi
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
@@ -33,6 +35,7 @@ for second in $(seq 1 $((SECONDS_MEASURED + 2))); do
   peak=$(awk '/^VmHWM/ {print $2}' "/proc/$ARBOR_PID/status")
   loaded=$(curl -s http://127.0.0.1:8080/metrics | awk '/^arbor_conversations_loaded / {print $2}')
   echo "t=${second}s rss ${rss} KiB, peak ${peak} KiB, conversations loaded ${loaded:-?}"
+  if [[ -n ${MEMPROBE_SPLIT:-} ]]; then grep -E '^Rss' "/proc/$ARBOR_PID/status" | tr -s ' \t\n' ' '; echo; fi
 done
 wait "$LOAD" || true
 grep -o 'run 1: .*' "$WORK/load.log"
