@@ -2,37 +2,66 @@
 //! every message is a node with a parent, the head is the active leaf, and
 //! what a model reads is the path from the head to the root.
 
-use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
 
+use hashbrown::hash_table::{Entry, HashTable};
 use serde::{Deserialize, Serialize};
 
 use crate::message::{Message, Node};
 
 /// An index over a conversation's nodes, in creation order.
+///
+/// A busy conversation's tree stays in memory (the engine's hub), so it is
+/// kept small: each node is one shared allocation (a copy of the tree, made
+/// when a reader still holds it while a turn extends it, copies pointers,
+/// not messages), and the index holds positions, not copies of the ids.
 #[derive(Debug, Clone, Default)]
 pub struct Tree {
-    nodes: Vec<Node>,
-    by_id: HashMap<String, usize>,
+    nodes: Vec<Arc<Node>>,
+    /// Positions in `nodes`, found by the hash of the node's id.
+    by_id: HashTable<usize>,
+    hasher: RandomState,
 }
 
 impl Tree {
     pub fn new(nodes: Vec<Node>) -> Tree {
-        let by_id = nodes.iter().enumerate().map(|(index, node)| (node.id.clone(), index)).collect();
-        Tree { nodes, by_id }
+        let mut tree = Tree {
+            nodes: Vec::with_capacity(nodes.len()),
+            by_id: HashTable::with_capacity(nodes.len()),
+            hasher: RandomState::new(),
+        };
+        for node in nodes {
+            tree.push(node);
+        }
+        tree
     }
 
-    /// Adds a node (a new leaf) to the index.
+    /// Adds a node (a new leaf) to the index. A node whose id is already
+    /// there takes its place in the index (the store never writes one).
     pub fn push(&mut self, node: Node) {
-        self.by_id.insert(node.id.clone(), self.nodes.len());
-        self.nodes.push(node);
+        let Tree { nodes, by_id, hasher } = self;
+        let position = nodes.len();
+        let hash = hasher.hash_one(node.id.as_str());
+        let entry =
+            by_id.entry(hash, |&known| nodes[known].id == node.id, |&known| hasher.hash_one(nodes[known].id.as_str()));
+        match entry {
+            Entry::Occupied(mut occupied) => *occupied.get_mut() = position,
+            Entry::Vacant(vacant) => {
+                vacant.insert(position);
+            }
+        }
+        nodes.push(Arc::new(node));
     }
 
     pub fn get(&self, id: &str) -> Option<&Node> {
-        self.by_id.get(id).map(|&index| &self.nodes[index])
+        let hash = self.hasher.hash_one(id);
+        self.by_id.find(hash, |&known| self.nodes[known].id == id).map(|&position| &*self.nodes[position])
     }
 
-    pub fn nodes(&self) -> &[Node] {
-        &self.nodes
+    /// The nodes in creation order.
+    pub fn nodes(&self) -> impl ExactSizeIterator<Item = &Node> {
+        self.nodes.iter().map(|node| &**node)
     }
 
     pub fn len(&self) -> usize {
@@ -45,7 +74,7 @@ impl Tree {
 
     /// The ids of a node's children, in creation order.
     pub fn children(&self, id: &str) -> Vec<&str> {
-        self.nodes.iter().filter(|node| node.parent_id.as_deref() == Some(id)).map(|node| node.id.as_str()).collect()
+        self.nodes().filter(|node| node.parent_id.as_deref() == Some(id)).map(|node| node.id.as_str()).collect()
     }
 
     /// The path from the root to `leaf` (inclusive), oldest first. Empty when
@@ -174,6 +203,33 @@ mod tests {
         assert_eq!(tree.children("u1"), ["a1", "e1"]);
     }
 
+    #[test]
+    fn every_node_is_found_by_id_as_the_tree_grows_and_copies_stay_apart() {
+        let mut tree = Tree::new(vec![node("n0", None)]);
+        for index in 1..1000 {
+            tree.push(node(&format!("n{index}"), Some(&format!("n{}", index - 1))));
+        }
+        assert_eq!(tree.len(), 1000);
+        for index in [0, 1, 7, 8, 9, 63, 64, 65, 511, 999] {
+            let id = format!("n{index}");
+            assert_eq!(tree.get(&id).map(|found| found.id.as_str()), Some(id.as_str()));
+        }
+        assert!(tree.get("n1000").is_none());
+        assert_eq!(tree.path_to("n999").len(), 1000);
+
+        // A copy extended by a turn leaves the tree a reader holds as it was.
+        let mut extended = tree.clone();
+        extended.push(node("reply", Some("n999")));
+        assert!(tree.get("reply").is_none());
+        assert_eq!(extended.get("reply").and_then(|found| found.parent_id.as_deref()), Some("n999"));
+        assert_eq!((tree.len(), extended.len()), (1000, 1001));
+
+        // A repeated id (which the store never writes) names the newer node.
+        let mut repeated = Tree::new(vec![node("a", None), node("b", Some("a"))]);
+        repeated.push(node("a", Some("b")));
+        assert_eq!(repeated.get("a").and_then(|found| found.parent_id.as_deref()), Some("b"));
+    }
+
     fn view(messages: &[(Option<&str>, &str)]) -> Vec<ViewMessage> {
         messages
             .iter()
@@ -249,7 +305,7 @@ mod tests {
             match plan {
                 MergePlan::MoveHead { to } => (tree.clone(), to.clone()),
                 MergePlan::Append { parent, messages, .. } => {
-                    let mut nodes = tree.nodes().to_vec();
+                    let mut nodes: Vec<Node> = tree.nodes().cloned().collect();
                     let mut parent = parent.clone();
                     for (index, message) in messages.iter().enumerate() {
                         let id = message.id.clone().unwrap_or_else(|| format!("generated{index}"));
@@ -273,12 +329,12 @@ mod tests {
             ) {
                 // The view: a prefix of the path to a random leaf, then new messages
                 // (some with fresh ids, one maybe reusing a known id).
-                let leaf_id = tree.nodes()[leaf.index(tree.len())].id.clone();
+                let leaf_id = tree.nodes().nth(leaf.index(tree.len())).expect("in range").id.clone();
                 let path: Vec<String> = tree.path_to(&leaf_id).iter().map(|node| node.id.clone()).collect();
                 let kept = keep.index(path.len()) + 1;
                 let mut view: Vec<ViewMessage> = path[..kept].iter().map(|id| ViewMessage { id: Some(id.clone()), message: Message::user("x") }).collect();
                 for index in 0..new_count {
-                    let id = if reuse && index == 0 { Some(tree.nodes()[0].id.clone()) } else if index % 2 == 0 { Some(format!("new{index}")) } else { None };
+                    let id = if reuse && index == 0 { tree.nodes().next().map(|node| node.id.clone()) } else if index % 2 == 0 { Some(format!("new{index}")) } else { None };
                     view.push(ViewMessage { id, message: Message::user("y") });
                 }
                 match merge_view(&tree, &view) {
@@ -295,7 +351,7 @@ mod tests {
                         for node in tree.nodes() {
                             prop_assert!(merged.get(&node.id).is_some());
                         }
-                        let mut ids: Vec<&str> = merged.nodes().iter().map(|node| node.id.as_str()).collect();
+                        let mut ids: Vec<&str> = merged.nodes().map(|node| node.id.as_str()).collect();
                         ids.sort_unstable();
                         let before = ids.len();
                         ids.dedup();

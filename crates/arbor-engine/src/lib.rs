@@ -408,7 +408,9 @@ impl Engine {
         let conversation = self.conversation(user, conversation_id).await?;
         // A busy conversation's tree is in memory; others come from the store.
         let messages = match self.hub_if_loaded(&conversation.id) {
-            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?.nodes().to_vec(),
+            Some(hub) => {
+                self.inner.tree(&hub, &conversation.id, conversation.head_version).await?.nodes().cloned().collect()
+            }
             None => self.inner.store.messages(&conversation.id).await?,
         };
         Ok(ConversationTree { conversation, messages })
