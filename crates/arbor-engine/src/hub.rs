@@ -26,12 +26,14 @@ use crate::writer::EventWriter;
 
 /// Live viewers may fall this many events behind before they resynchronise
 /// from the recent buffer and the store. The channel allocates every slot
-/// (about 100 bytes each) when the hub is made, and a hub may outlive its
-/// last turn (`HUB_IDLE` and `IDLE_CONVERSATIONS_KEPT`, lib.rs): at 1024 slots the hubs of a busy minute were
-/// most of the process's memory in the benchmark, and at 128 still about
-/// half of it at 1,000 turns/s with the 60 ms mock. A viewer that keeps up
-/// is never more than a few events behind (chunks that arrive together are
-/// one event); one that lags resyncs.
+/// (about 100 bytes each) when it is made, so a hub makes it for its first
+/// viewer and drops it once the last one has gone (`HubState::sender`): a
+/// JSON turn, which no one watches, never pays for it, and a hub may
+/// outlive its last turn (`HUB_IDLE` and `IDLE_CONVERSATIONS_KEPT`,
+/// lib.rs). At 1024 slots the hubs of a busy minute were most of the
+/// process's memory in the benchmark. A viewer that keeps up is never more
+/// than a few events behind (chunks that arrive together are one event);
+/// one that lags resyncs.
 const BROADCAST_CAPACITY: usize = 32;
 /// Recent events kept in memory once stored (unstored ones are always kept).
 const RECENT_KEPT: usize = 4096;
@@ -96,6 +98,20 @@ struct HubState {
     /// Turns waiting for the slot, in arrival order.
     queue: VecDeque<QueuedTurn>,
     last_active: Instant,
+    /// The live viewers' channel, while there are any. Made and dropped
+    /// under this lock, so the broadcast order stays the seq order.
+    sender: Option<broadcast::Sender<Event>>,
+}
+
+impl HubState {
+    /// A receiver of every event published from now on.
+    fn viewer(&mut self) -> broadcast::Receiver<Event> {
+        self.sender.get_or_insert_with(|| broadcast::channel(BROADCAST_CAPACITY).0).subscribe()
+    }
+
+    fn viewers(&self) -> usize {
+        self.sender.as_ref().map_or(0, broadcast::Sender::receiver_count)
+    }
 }
 
 fn to_json(payload: &impl Serialize) -> Arc<str> {
@@ -119,7 +135,6 @@ pub(crate) struct Hub {
     me: Weak<Hub>,
     numbering: Numbering,
     state: Mutex<HubState>,
-    sender: broadcast::Sender<Event>,
     writer: EventWriter,
     /// Highest seq the writer has stored.
     flushed: Arc<AtomicI64>,
@@ -140,7 +155,6 @@ pub(crate) struct Subscription {
 
 impl Hub {
     pub(crate) fn new(conversation_id: &str, last_seq: i64, writer: EventWriter, numbering: Numbering) -> Arc<Hub> {
-        let (sender, _) = broadcast::channel(BROADCAST_CAPACITY);
         Arc::new_cyclic(|me| Hub {
             conversation_id: Arc::from(conversation_id),
             me: me.clone(),
@@ -152,8 +166,8 @@ impl Hub {
                 running: None,
                 queue: VecDeque::new(),
                 last_active: Instant::now(),
+                sender: None,
             }),
-            sender,
             writer,
             flushed: Arc::new(AtomicI64::new(last_seq)),
             tree: Mutex::new(None),
@@ -265,7 +279,7 @@ impl Hub {
                 last.turn.pending_messages = last.nodes.clone();
                 let merged = last.turn.clone();
                 let outcome = last.outcome.subscribe();
-                let receiver = self.sender.subscribe();
+                let receiver = state.viewer();
                 let last_seq = state.next_seq - 1;
                 let subscription = Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver };
                 Slot::Merged { turn: merged, subscription, last_seq, outcome }
@@ -276,7 +290,7 @@ impl Hub {
                 let queued_turn = turn.turn.clone();
                 turn.waited = true;
                 state.queue.push_back(turn);
-                let receiver = self.sender.subscribe();
+                let receiver = state.viewer();
                 let last_seq = state.next_seq - 1;
                 let subscription = Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver };
                 Slot::Queued { turn: queued_turn, position: state.queue.len(), subscription, last_seq }
@@ -359,8 +373,13 @@ impl Hub {
         while state.recent.len() > RECENT_KEPT && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed) {
             state.recent.pop_front();
         }
-        // Sending under the lock keeps the broadcast order equal to seq order.
-        let _ = self.sender.send(event.clone());
+        // Sending under the lock keeps the broadcast order equal to seq
+        // order. A send that finds no viewer left drops the channel.
+        if let Some(sender) = &state.sender
+            && sender.send(event.clone()).is_err()
+        {
+            state.sender = None;
+        }
     }
 
     /// Publishes events the database numbered and stored: this node's own
@@ -385,16 +404,16 @@ impl Hub {
     /// Subscribes a viewer to events from now on; returns the last seq
     /// emitted before the subscription.
     pub(crate) fn subscribe_live(&self) -> (i64, Subscription) {
-        let state = self.lock();
-        let receiver = self.sender.subscribe();
+        let mut state = self.lock();
+        let receiver = state.viewer();
         let last = state.next_seq - 1;
         (last, Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver })
     }
 
     /// Subscribes a viewer that has seen everything up to `after`.
     pub(crate) fn subscribe(&self, after: i64) -> Subscription {
-        let state = self.lock();
-        let receiver = self.sender.subscribe();
+        let mut state = self.lock();
+        let receiver = state.viewer();
         let memory_from = state.recent.front().map_or(state.next_seq, |oldest| oldest.seq);
         let backlog = state.recent.iter().filter(|event| event.seq > after).cloned().collect();
         Subscription { backlog, memory_from, receiver }
@@ -429,7 +448,7 @@ impl Hub {
         let idle = state.running.is_none()
             && state.queue.is_empty()
             && state.unnumbered == 0
-            && self.sender.receiver_count() == 0
+            && state.viewers() == 0
             && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1;
         idle.then_some(state.last_active)
     }
