@@ -120,7 +120,8 @@ impl TurnHandle {
     }
 }
 
-/// A conversation with its whole tree.
+/// A conversation with its whole tree, or with its active path
+/// ([`Engine::conversation_path`]).
 #[derive(Debug, Clone)]
 pub struct ConversationTree {
     pub conversation: Conversation,
@@ -413,6 +414,23 @@ impl Engine {
             }
             None => self.inner.store.messages(&conversation.id).await?,
         };
+        Ok(ConversationTree { conversation, messages })
+    }
+
+    /// The conversation with only its active path (root to head, the
+    /// context a turn sends). Walked in the busy conversation's tree in
+    /// memory, or in one read from the store: only the path's messages are
+    /// copied.
+    pub async fn conversation_path(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
+        let conversation = self.conversation(user, conversation_id).await?;
+        let Some(head) = conversation.head_id.as_deref() else {
+            return Ok(ConversationTree { conversation, messages: Vec::new() });
+        };
+        let tree = match self.hub_if_loaded(&conversation.id) {
+            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?,
+            None => Arc::new(arbor_core::tree::Tree::new(self.inner.store.messages(&conversation.id).await?)),
+        };
+        let messages = tree.path_to(head).into_iter().cloned().collect();
         Ok(ConversationTree { conversation, messages })
     }
 

@@ -89,16 +89,12 @@ async fn read(
     Path(id): Path<String>,
     Query(query): Query<ReadQuery>,
 ) -> ApiResult<impl IntoResponse> {
-    let tree = state.engine.conversation_tree(&user, &id).await?;
-    let messages = match (query.path, &tree.conversation.head_id) {
-        (Some(1), Some(head)) => {
-            let index = arbor_core::tree::Tree::new(tree.messages);
-            index.path_to(head).into_iter().cloned().collect()
-        }
-        (Some(1), None) => Vec::new(),
-        (Some(0) | None, _) => tree.messages,
-        (Some(other), _) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
+    let tree = match query.path {
+        Some(1) => state.engine.conversation_path(&user, &id).await?,
+        Some(0) | None => state.engine.conversation_tree(&user, &id).await?,
+        Some(other) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
     };
+    let messages = tree.messages;
     #[derive(serde::Serialize)]
     struct Body<'a> {
         #[serde(flatten)]

@@ -82,6 +82,8 @@ async fn editing_the_first_question_branches_under_it_and_keeps_the_old_branch()
     assert_eq!(path_ids[0], "u1");
     assert_eq!(path_ids[1], children[1]);
     assert_eq!(path["head_id"].as_str(), Some(path_ids[2].as_str()));
+    let refused = app.get(&key, &format!("/v1/conversations/{conversation}?path=2")).await;
+    assert_eq!(refused.status, 400, "{:?}", refused.body);
 }
 
 #[tokio::test]

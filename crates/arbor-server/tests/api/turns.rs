@@ -154,6 +154,14 @@ async fn a_conversation_sent_out_of_memory_comes_back_from_the_store() {
     turn(&other, "elsewhere").await;
     app.engine.flush_events().await;
     assert_eq!(loaded().await, 1, "the first conversation left memory when the other was loaded");
+    // Its active path is read from the store while it is out of memory.
+    let path = app.get(&key, &format!("/v1/conversations/{first}?path=1")).await;
+    let on_path: Vec<&str> =
+        path.body["messages"].as_array().expect("messages").iter().map(|m| m["role"].as_str().expect("role")).collect();
+    assert_eq!(on_path, ["user", "assistant"], "{:?}", path.body);
+    assert_eq!(path.body["messages"][0]["content"], "one");
+    assert_eq!(path.body["head_id"], path.body["messages"][1]["id"]);
+    assert_eq!(loaded().await, 1, "reading the path does not load the conversation");
 
     turn(&first, "two").await;
     app.engine.flush_events().await;
