@@ -94,14 +94,13 @@ async fn read(
         Some(0) | None => state.engine.conversation_tree(&user, &id).await?,
         Some(other) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
     };
-    let messages = tree.messages;
     #[derive(serde::Serialize)]
     struct Body<'a> {
         #[serde(flatten)]
         conversation: views::ConversationView<'a>,
         messages: Vec<views::NodeView<'a>>,
     }
-    let body = Body { conversation: views::conversation(&tree.conversation), messages: views::nodes(&messages) };
+    let body = Body { conversation: views::conversation(&tree.conversation), messages: views::nodes(&tree.messages) };
     Ok(axum::Json(body).into_response())
 }
 

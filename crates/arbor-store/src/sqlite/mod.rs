@@ -1206,8 +1206,7 @@ impl Store for SqliteStore {
                 Ok((entry, head_version))
             })
             .await?;
-        // No listener is not an error (as in `notify`).
-        let _ = self.notices.send(notice);
+        self.notify(&notice).await?;
         Ok(finished)
     }
 
