@@ -10,6 +10,9 @@
 #
 #   bench/threadstat.sh [ARBOR_BIN] [RATE]      # defaults: the release build, 500
 #
+# MOCK_DELAY_MS sets the mock's delay (default 0; 60 is S2's shape, where
+# ~RATE*0.06 turns are in flight at once).
+#
 # AFTER_START is a shell command run once Arbor answers, with ARBOR_PID set
 # (an experiment's setup, e.g. `chrt` on one of its threads).
 #
@@ -26,7 +29,7 @@ ARBOR_BIN=${1:-$BIN/arbor}
 RATE=${2:-500}
 source "$ROOT/bench/common.sh"
 open_work threadstat
-start_mock0
+start_mock0 "${MOCK_DELAY_MS:-0}"
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
 if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
