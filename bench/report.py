@@ -351,6 +351,33 @@ elif litellm and litellm.get("error"):
     w("| LiteLLM ratios (S6) | LiteLLM could not be run (see S6) | not measured |")
 w("")
 
+
+def durable_floor(start, end):
+    """What two durable commits cost on this disk this hour, as text: a turn
+    waits for two `fdatasync`s (the user message before the call, the
+    finished turn before the answer), each after a pause at low rates."""
+    samples = [c for c in (start, end) if c and c.get("fdatasync_paused_us_p50") is not None]
+    if not samples:
+        return ""
+
+    def span(key, times=1):
+        values = sorted(times * c[key] for c in samples)
+        return us(values[0]) if len(values) == 1 or values[0] == values[-1] else f"{us(values[0])}–{us(values[-1])}"
+
+    return (f"The disk's share: a durable turn waits for two `fdatasync`s on its path (the user message before "
+            f"the provider call, the finished turn before the answer). This hour one of them, 5 ms after the "
+            f"last, took p50 {span('fdatasync_paused_us_p50')} and p99 {span('fdatasync_paused_us_p99')} "
+            f"(`bench/calibrate.py` at the start and the end), so at low rates the two alone take "
+            f"~{span('fdatasync_paused_us_p50', 2)} at the median, before any of Arbor's own work, against the "
+            f"1 ms p99 goal. `SQLITE_SYNC=normal` runs without them.")
+
+
+if machine.get("sqlite_sync", "normal") == "full":
+    floor = durable_floor(machine.get("calibration_start"), machine.get("calibration_end"))
+    if floor:
+        w(floor)
+        w("")
+
 # ---------------------------------------------------------------- S0/S1
 w("## S0 / S1: non-streamed turns, 0 ms mock")
 w("")
