@@ -178,6 +178,8 @@ def calibration_text(start, end):
 
 
 calibration = calibration_text(machine.get("calibration_start"), machine.get("calibration_end"))
+# Runs from before `sqlite_sync` was recorded committed without the fsync.
+durable_commits = machine.get("sqlite_sync", "normal") == "full"
 commit = machine.get("commit", "?") + (" (with uncommitted changes)" if machine.get("dirty") else "")
 built = f"commit `{commit}`"
 if machine.get("arbor_bin"):
@@ -191,7 +193,7 @@ w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.g
   "(JSON turns) or the `arbor_turn_overhead_seconds` histogram (streamed turns), both Arbor's "
   "measure of a turn's time outside the provider call. SQLite commits with "
   + ("`synchronous = FULL` for every write someone waits on (each such commit fsyncs: the default)"
-     if machine.get("sqlite_sync", "normal") == "full" else
+     if durable_commits else
      f"`?synchronous={machine['sqlite_sync']}` (no fsync per commit; a power loss can lose the last commits)")
   + ".")
 if calibration:
@@ -361,8 +363,8 @@ def durable_floor(start, end):
         return ""
 
     def span(key, times=1):
-        values = sorted(times * c[key] for c in samples)
-        return us(values[0]) if len(values) == 1 or values[0] == values[-1] else f"{us(values[0])}–{us(values[-1])}"
+        low, high = min(times * c[key] for c in samples), max(times * c[key] for c in samples)
+        return us(low) if low == high else f"{us(low)}–{us(high)}"
 
     return (f"The disk's share: a durable turn waits for two `fdatasync`s on its path (the user message before "
             f"the provider call, the finished turn before the answer). This hour one of them, 5 ms after the "
@@ -372,7 +374,7 @@ def durable_floor(start, end):
             f"1 ms p99 goal. `SQLITE_SYNC=normal` runs without them.")
 
 
-if machine.get("sqlite_sync", "normal") == "full":
+if durable_commits:
     floor = durable_floor(machine.get("calibration_start"), machine.get("calibration_end"))
     if floor:
         w(floor)

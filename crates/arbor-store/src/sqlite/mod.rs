@@ -1524,19 +1524,16 @@ mod tests {
     /// `.cargo/config.toml` builds the bundled SQLite without the two
     /// features that take a process-wide mutex in every malloc and every
     /// page-cache fetch (bench/analysis.md); a build that lost those flags
-    /// would still work, only slower, so this is where it shows.
-    #[tokio::test]
-    async fn sqlite_is_built_without_its_global_mutexes() {
-        let folder = tempfile::tempdir().expect("temp dir");
-        let url = format!("sqlite://{}", folder.path().join("a.db").display());
-        let store = SqliteStore::open(&url).await.expect("opens");
-        let options = store
-            .read(|c| {
-                let mut statement = c.prepare("SELECT compile_options FROM pragma_compile_options")?;
-                let rows = statement.query_map([], |row| row.get::<_, String>(0))?;
-                Ok(rows.collect::<Result<Vec<_>, _>>()?)
-            })
-            .await
+    /// would still work, only slower, so this is where it shows. The options
+    /// are the linked library's, so any connection reads them.
+    #[test]
+    fn sqlite_is_built_without_its_global_mutexes() {
+        let connection = Connection::open_in_memory().expect("opens");
+        let mut statement = connection.prepare("SELECT compile_options FROM pragma_compile_options").expect("prepares");
+        let options: Vec<String> = statement
+            .query_map([], |row| row.get(0))
+            .expect("compile options")
+            .collect::<Result<_, _>>()
             .expect("compile options");
         assert!(options.iter().any(|option| option == "DEFAULT_MEMSTATUS=0"), "{options:?}");
         assert!(!options.iter().any(|option| option == "ENABLE_MEMORY_MANAGEMENT"), "{options:?}");
