@@ -1,0 +1,223 @@
+//! `arbor-floor`: what the benchmark's shape costs without Arbor in it.
+//!
+//! A stateless pass-through built from the parts Arbor is built from —
+//! axum's server with `TCP_NODELAY`, the reqwest client Arbor builds
+//! (`arbor_providers::http::build_client`), mimalloc, a multi-thread tokio
+//! runtime with one worker per core it may use — that forwards every
+//! request's body to the upstream at the same path and answers with what
+//! comes back, streamed or whole. With `--fsyncs`, it also makes the
+//! durable writes a stateful turn cannot do without: the request before it
+//! is forwarded (1), and the answer before it is returned (2). They go to
+//! one writer thread that writes every record waiting, calls `fdatasync`
+//! once and answers them all (group commit, as Arbor's SQLite writer does),
+//! into a file written in full at start-up and then overwritten in a ring,
+//! so a sync never has to grow the file (as SQLite's reused WAL does not).
+//!
+//! Run on Arbor's core against the same mock and load client
+//! (`bench/floor.sh`), it says how much of Arbor's overhead any server on
+//! this machine pays — the HTTP hops, the wakes of an idle core, the disk —
+//! and how much is Arbor's own work.
+//!
+//! ```text
+//! arbor-floor --listen 127.0.0.1:8090 --upstream http://127.0.0.1:9100 --fsyncs 2 --data-dir /tmp/floor
+//! ```
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::net::SocketAddr;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use arbor_providers::http::{HttpTimeouts, build_client};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::serve::ListenerExt;
+use clap::Parser;
+use futures_util::{StreamExt, stream};
+use tokio::sync::oneshot;
+
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Bodies larger than this are refused (Arbor's own request limit is smaller).
+const MAX_BODY: usize = 8 * 1024 * 1024;
+
+/// The ring file's size; records wrap around to its start.
+const RING_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Records written under one `fdatasync` at most.
+const MAX_GROUP: usize = 64;
+
+/// A stateless pass-through on Arbor's HTTP stack, optionally with durable writes.
+#[derive(Debug, Parser)]
+#[command(name = "arbor-floor")]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    listen: SocketAddr,
+    /// Where requests go: scheme, host and port; the request's path is kept.
+    #[arg(long, default_value = "http://127.0.0.1:9100")]
+    upstream: String,
+    /// Durable writes a request waits for: 0, 1 (before forwarding) or 2
+    /// (and before answering).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    fsyncs: u8,
+    /// Folder for the ring file (needed with --fsyncs).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+}
+
+struct Floor {
+    client: reqwest::Client,
+    upstream: String,
+    fsyncs: u8,
+    log: Option<Log>,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let log = match (args.fsyncs, &args.data_dir) {
+        (0, _) => None,
+        (_, Some(dir)) => Some(Log::open(&dir.join("floor.ring"))?),
+        (_, None) => return Err("--fsyncs needs --data-dir".into()),
+    };
+    let client = build_client(&HttpTimeouts::default()).map_err(|error| error.to_string())?;
+    let floor =
+        Arc::new(Floor { client, upstream: args.upstream.trim_end_matches('/').to_owned(), fsyncs: args.fsyncs, log });
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        println!("arbor-floor: {} -> {} ({} fsyncs a request)", listener.local_addr()?, floor.upstream, floor.fsyncs);
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        axum::serve(listener, Router::new().fallback(forward).with_state(floor)).await?;
+        Ok(())
+    })
+}
+
+async fn forward(State(floor): State<Arc<Floor>>, request: Request) -> Response {
+    match try_forward(&floor, request).await {
+        Ok(response) => response,
+        Err(error) => (StatusCode::BAD_GATEWAY, error).into_response(),
+    }
+}
+
+async fn try_forward(floor: &Arc<Floor>, request: Request) -> Result<Response, String> {
+    let (parts, body) = request.into_parts();
+    let body = axum::body::to_bytes(body, MAX_BODY).await.map_err(|error| format!("reading the request: {error}"))?;
+    if let Some(log) = &floor.log {
+        log.write(body.clone()).await?;
+    }
+    let url = format!("{}{}", floor.upstream, parts.uri.path());
+    let upstream = floor
+        .client
+        .post(url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|error| format!("calling the upstream: {error}"))?;
+    let status = upstream.status();
+    let content_type = upstream.headers().get(header::CONTENT_TYPE).cloned();
+    let streamed = content_type.as_ref().is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
+    let answer_log = if floor.fsyncs >= 2 { floor.log.clone() } else { None };
+    let body = if streamed {
+        // Chunks go on as they come; the answer's durable write ends the
+        // stream (a stateful server would hold back its `done` for it).
+        let tail = stream::once(async move {
+            match answer_log {
+                Some(log) => log.write(Bytes::from_static(b"done")).await.map_err(io::Error::other),
+                None => Ok(()),
+            }
+        })
+        .filter_map(|written| async move { written.err().map(Err) });
+        Body::from_stream(upstream.bytes_stream().map(|chunk| chunk.map_err(io::Error::other)).chain(tail))
+    } else {
+        let bytes = upstream.bytes().await.map_err(|error| format!("reading the upstream: {error}"))?;
+        if let Some(log) = answer_log {
+            log.write(bytes.clone()).await?;
+        }
+        Body::from(bytes)
+    };
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    if let Some(value) = content_type {
+        response.headers_mut().insert(header::CONTENT_TYPE, value);
+    }
+    response.headers_mut().insert("x-arbor-floor", HeaderValue::from_static("1"));
+    Ok(response)
+}
+
+type Job = (Bytes, oneshot::Sender<io::Result<()>>);
+
+/// The durable log: a sender to the writer thread.
+#[derive(Clone)]
+struct Log {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Log {
+    /// Writes the ring file in full (so later writes never allocate) and
+    /// starts the writer thread.
+    fn open(path: &std::path::Path) -> io::Result<Log> {
+        let file = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(path)?;
+        let zeros = vec![0u8; 1024 * 1024];
+        for block in 0..RING_BYTES / zeros.len() as u64 {
+            file.write_all_at(&zeros, block * zeros.len() as u64)?;
+        }
+        file.sync_all()?;
+        if let Some(dir) = path.parent() {
+            File::open(dir)?.sync_all()?;
+        }
+        let (jobs, queue) = mpsc::channel();
+        std::thread::Builder::new().name("floor-log".into()).spawn(move || write_loop(&file, &queue))?;
+        Ok(Log { jobs })
+    }
+
+    /// Returns once the record is on disk.
+    async fn write(&self, record: Bytes) -> Result<(), String> {
+        let (reply, written) = oneshot::channel();
+        self.jobs.send((record, reply)).map_err(|_| "the log writer stopped".to_owned())?;
+        match written.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(format!("writing the log: {error}")),
+            Err(_) => Err("the log writer stopped".to_owned()),
+        }
+    }
+}
+
+fn write_loop(file: &File, queue: &mpsc::Receiver<Job>) {
+    let mut offset = 0u64;
+    let mut group = Vec::with_capacity(MAX_GROUP);
+    while let Ok(first) = queue.recv() {
+        group.push(first);
+        while group.len() < MAX_GROUP {
+            match queue.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        let written = group
+            .iter()
+            .try_for_each(|(record, _)| {
+                let record = &record[..record.len().min(RING_BYTES as usize)];
+                if offset + record.len() as u64 > RING_BYTES {
+                    offset = 0;
+                }
+                file.write_all_at(record, offset)?;
+                offset += record.len() as u64;
+                Ok(())
+            })
+            .and_then(|()| file.sync_data());
+        for (_, reply) in group.drain(..) {
+            let _ = reply
+                .send(written.as_ref().map(|_| ()).map_err(|error| io::Error::new(error.kind(), error.to_string())));
+        }
+    }
+}
