@@ -380,6 +380,54 @@ if durable_commits:
         w(floor)
         w("")
 
+# ---------------------------------------------------------------- floor
+def floor_cell(p, base, field):
+    """Overhead p50 / p99 over the direct call, and CPU per request."""
+    if p is None or base is None:
+        return "—"
+    cell = pair(overhead(p, base, field, "p50"), overhead(p, base, field, "p99"))
+    cpu = p.get("server_cpu_us_per_request")
+    if cpu is not None:
+        cell += f", {us(cpu)} CPU"
+    if not p.all_ok:
+        cell += f", {success_text(p)}"
+    return cell
+
+
+floor_tables = [("F1", "S0", "S1", "latency_us", "JSON turns, 0 ms mock: time to the whole answer"),
+                ("F3", "S0-stream", "S3", "first_delta_us", "streamed turns: time to the first token")]
+if any(rates(floor) for floor, *_ in floor_tables):
+    w("## The floor: Arbor's HTTP stack without Arbor")
+    w("")
+    w("`arbor-floor` is a stateless pass-through built from Arbor's parts (axum's server with `TCP_NODELAY`, the "
+      "reqwest client Arbor builds, mimalloc, the same tokio runtime), pinned to Arbor's core and loaded like "
+      "Arbor at some of the same rates, in the same minutes. *2 fsyncs* adds the durable writes a stateful turn "
+      "waits for: the request before it is forwarded and the answer before it is returned (streamed: after the "
+      "last chunk, so TTFT waits for one), group-committed by one writer thread to a preallocated file. What the "
+      "floor adds over the direct call, any server built this way pays on this machine this hour; Arbor's figure "
+      "minus the *2 fsyncs* figure is Arbor's own work (its store, its events, its accounting). Cells: overhead "
+      "p50 / p99, and the server's CPU per request.")
+    w("")
+    for floor, direct, scenario, field, title in floor_tables:
+        floor_rates = rates(floor)
+        if not floor_rates:
+            continue
+        w(f"{title[0].upper()}{title[1:]}.")
+        w("")
+        w("| rate | direct p50 / p99 | floor, no fsync | floor, 2 fsyncs | Arbor | Arbor minus floor (2 fsyncs) p50 / p99 |")
+        w("|---|---|---|---|---|---|")
+        for rate in floor_rates:
+            base = point(direct, rate)
+            bare, durable = point(floor, rate, "floor-0"), point(floor, rate, "floor-2")
+            arbor = point(scenario, rate, "sqlite")
+            own = ("—" if arbor is None or durable is None else
+                   pair(minus(arbor.get(field, "p50"), durable.get(field, "p50")),
+                        minus(arbor.get(field, "p99"), durable.get(field, "p99"))))
+            w(f"| {rate_text(rate)} | {pair(base.get(field, 'p50'), base.get(field, 'p99')) if base else '—'} "
+              f"| {floor_cell(bare, base, field)} | {floor_cell(durable, base, field)} "
+              f"| {floor_cell(arbor, base, field)} | {own} |")
+        w("")
+
 # ---------------------------------------------------------------- S0/S1
 w("## S0 / S1: non-streamed turns, 0 ms mock")
 w("")

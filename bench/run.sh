@@ -7,7 +7,8 @@
 #
 # Options: --no-litellm, --no-postgres, --only "S1 S3" (scenarios to run).
 # Environment: ARBOR_CORE / LOAD_CORE (default 0 / 1), S1_RATES, S2_RATES,
-# S3_RATES, S6_RATES (space-separated rates), ARBOR_BIN (another arbor
+# S3_RATES, S6_RATES, FLOOR_RATES (space-separated rates; FLOOR_RATES are the
+# S1 and S3 rates at which the floor runs too, default 100 500 1000 2000 3000), ARBOR_BIN (another arbor
 # binary, for A/B runs), BENCH_OUT (write results and report there instead
 # of bench/), LOAD_EXTRA (more arbor-bench load options), PG_URL (default
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
@@ -111,6 +112,26 @@ start_mock $MOCK0 --chunks $CHUNKS
 start_mock $MOCK60 --chunks $CHUNKS --delay-ms 60
 start_mock $MOCKSTREAM --chunks $CHUNKS --chunk-delay-ms $CHUNK_DELAY_MS
 
+# --- the floor (arbor-floor: Arbor's HTTP stack without Arbor) -----------------
+# On Arbor's core, idle but for its own points: a stateless pass-through to
+# the 0 ms mock and one to the streaming mock, each without and with the two
+# group-committed fdatasyncs a durable turn waits for. What they add over
+# the direct call, any server built this way pays on this machine.
+declare -A FLOOR_PORT FLOOR_PID
+start_floor() { # NAME PORT UPSTREAM_PORT FSYNCS
+  mkdir -p "$WORK/floor-$1"
+  taskset -c "$ARBOR_CORE" "$BIN/arbor-floor" --listen "127.0.0.1:$2" --upstream "http://127.0.0.1:$3" \
+    --fsyncs "$4" --data-dir "$WORK/floor-$1" >"$WORK/floor-$1.log" 2>&1 &
+  PIDS+=($!)
+  FLOOR_PID[$1]=$!
+  FLOOR_PORT[$1]=$2
+  wait_http "http://127.0.0.1:$2/"
+}
+start_floor floor-0 8090 $MOCK0 0
+start_floor floor-2 8091 $MOCK0 2
+start_floor stream-floor-0 8092 $MOCKSTREAM 0
+start_floor stream-floor-2 8093 $MOCKSTREAM 2
+
 # --- Arbor -------------------------------------------------------------------
 ARBOR_PORT=8080
 ARBOR=http://127.0.0.1:$ARBOR_PORT
@@ -165,11 +186,13 @@ load() { # SCENARIO VARIANT TARGET RATE [extra arbor-bench args...]
     arbor) base=$ARBOR; model=${MODEL:-mock-0} ;;
     direct) base=http://127.0.0.1:${DIRECT_PORT:-$MOCK0}/v1; model=mock-model ;;
     litellm) base=http://127.0.0.1:$LITELLM_PORT/v1; model=mock-model ;;
+    floor-*) base=http://127.0.0.1:${FLOOR_PORT[${FLOORS:-}$target]}/v1; model=mock-model ;;
   esac
   local kind=openai; [[ $target == arbor ]] && kind=arbor
   local pid_args=()
   [[ $target == arbor ]] && pid_args=(--server-pid "$ARBOR_PID")
   [[ $target == litellm ]] && pid_args=(--server-pid "$LITELLM_PID")
+  [[ $target == floor-* ]] && pid_args=(--server-pid "${FLOOR_PID[${FLOORS:-}$target]}")
   local key_args=()
   [[ $target == litellm ]] && key_args=(--key "$LITELLM_KEY")
   taskset -c "$LOAD_CORE" "$BIN/arbor-bench" load --target "$kind" --base-url "$base" --model "$model" \
@@ -270,17 +293,23 @@ EOF
 start_arbor sqlite "$SQLITE_URL"
 
 if [[ $SMOKE == 1 ]]; then
-  S1_RATES="20"; S2_RATES="20"; S3_RATES="20"; S6_RATES=""
+  S1_RATES="20"; S2_RATES="20"; S3_RATES="20"; S6_RATES=""; FLOOR_RATES="20"
 else
   S1_RATES=${S1_RATES:-10 50 100 200 300 400 500 700 1000 1500 2000 3000 4000}
   S2_RATES=${S2_RATES:-500 1000 2000 3000}
   S3_RATES=${S3_RATES:-100 300 500}
   S6_RATES=${S6_RATES:-10 50 100 200 400}
+  FLOOR_RATES=${FLOOR_RATES:-100 500 1000 2000 3000}
 fi
+floor_rate() { [[ " $FLOOR_RATES " == *" $1 "* ]]; }
 
 if wants S1; then
   for rate in $S1_RATES; do
     load S0 direct direct "$rate"
+    if floor_rate "$rate"; then
+      load F1 floor-0 floor-0 "$rate"
+      load F1 floor-2 floor-2 "$rate"
+    fi
     load S1 sqlite arbor "$rate"
     if saturated 20; then
       echo "S1: Arbor is saturated at $rate rps (median over 20 ms or under 90% success); not climbing further"
@@ -311,6 +340,10 @@ if wants S3; then
   start_arbor sqlite "$SQLITE_URL"
   for rate in $S3_RATES; do
     DIRECT_PORT=$MOCKSTREAM load S0-stream direct direct "$rate" --stream
+    if floor_rate "$rate"; then
+      FLOORS=stream- load F3 floor-0 floor-0 "$rate" --stream
+      FLOORS=stream- load F3 floor-2 floor-2 "$rate" --stream
+    fi
     MODEL=mock-stream load S3 sqlite arbor "$rate" --stream
     if saturated 1000; then
       echo "{\"scenario\": \"S3\", \"saturated_at\": $rate}" >>"$RESULTS/saturation.jsonl"
@@ -440,7 +473,8 @@ import json, sys, pathlib
 results = pathlib.Path(sys.argv[1])
 runs = [json.loads(line) for line in (results / "loads.jsonl").read_text().splitlines()]
 seen = {(run["scenario"], run["target"], run["stream"]) for run in runs}
-for needed in [("S0", "openai", False), ("S1", "arbor", False), ("S3", "arbor", True), ("S0-stream", "openai", True)]:
+for needed in [("S0", "openai", False), ("S1", "arbor", False), ("S3", "arbor", True), ("S0-stream", "openai", True),
+               ("F1", "openai", False), ("F3", "openai", True)]:
     assert needed in seen, f"no result for {needed}"
 for run in runs:
     assert run["sent"] > 0 and run["ok"] == run["sent"], f"failed requests: {run}"

@@ -13,8 +13,8 @@
 //! into a file written in full at start-up and then overwritten in a ring,
 //! so a sync never has to grow the file (as SQLite's reused WAL does not).
 //!
-//! Run on Arbor's core against the same mock and load client
-//! (`bench/floor.sh`), it says how much of Arbor's overhead any server on
+//! Run on Arbor's core against the same mock and load client (the
+//! benchmark's F1 and F3 points, `bench/run.sh`), it says how much of Arbor's overhead any server on
 //! this machine pays — the HTTP hops, the wakes of an idle core, the disk —
 //! and how much is Arbor's own work.
 //!
