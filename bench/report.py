@@ -406,7 +406,8 @@ if any(rates(floor) for floor, *_ in floor_tables):
       "last chunk, so TTFT waits for one), group-committed by one writer thread to a preallocated file. What the "
       "floor adds over the direct call, any server built this way pays on this machine this hour; Arbor's figure "
       "minus the *2 fsyncs* figure is Arbor's own work (its store, its events, its accounting). Cells: overhead "
-      "p50 / p99, and the server's CPU per request.")
+      "p50 / p99, and the server's CPU per request. A negative figure means the direct call's own runs were "
+      "slower at that percentile: on this VM a tail moves by milliseconds from one run to the next.")
     w("")
     for floor, direct, scenario, field, title in floor_tables:
         floor_rates = rates(floor)
