@@ -182,6 +182,9 @@ impl Log {
 
     /// Returns once the record is on disk.
     async fn write(&self, record: Bytes) -> Result<(), String> {
+        if record.len() as u64 > RING_BYTES {
+            return Err(format!("a record of {} bytes does not fit the {RING_BYTES}-byte ring", record.len()));
+        }
         let (reply, written) = oneshot::channel();
         self.jobs.send((record, reply)).map_err(|_| "the log writer stopped".to_owned())?;
         match written.await {
@@ -206,7 +209,6 @@ fn write_loop(file: &File, queue: &mpsc::Receiver<Job>) {
         let written = group
             .iter()
             .try_for_each(|(record, _)| {
-                let record = &record[..record.len().min(RING_BYTES as usize)];
                 if offset + record.len() as u64 > RING_BYTES {
                     offset = 0;
                 }
