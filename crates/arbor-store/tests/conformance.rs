@@ -62,6 +62,31 @@ where
     F: FnOnce(Arc<dyn Store>, Arc<dyn Store>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    on_postgres_database(|url, _, _| async move {
+        // Two nodes starting together: migrations must not trip each other.
+        let (first, second) = tokio::join!(arbor_store::open(&url), arbor_store::open(&url));
+        let first = first.expect("postgres store opens");
+        let second = second.expect("postgres store opens twice");
+        // Run on its own task so a failing assertion comes back as an error
+        // here and the database is still dropped.
+        let result = tokio::spawn(story(first, second)).await;
+        let again = arbor_store::open(&url).await.expect("postgres store reopens");
+        again.count_users().await.expect("reopened store answers");
+        result
+    })
+    .await;
+}
+
+/// Runs `story` with the URL and the name of a fresh PostgreSQL database
+/// and a pool on the server's `postgres` database (to administer it), when
+/// a server is
+/// configured; drops the database afterwards and re-raises the story's
+/// panic, if any.
+async fn on_postgres_database<F, Fut>(story: F)
+where
+    F: FnOnce(String, String, sqlx::PgPool) -> Fut,
+    Fut: Future<Output = Result<(), tokio::task::JoinError>>,
+{
     let Ok(server_url) = std::env::var("ARBOR_TEST_POSTGRES_URL") else {
         eprintln!("ARBOR_TEST_POSTGRES_URL is not set; skipping the postgres run");
         return;
@@ -77,20 +102,7 @@ where
         .execute(&admin)
         .await
         .expect("create the test database");
-    let url = with_database(&server_url, &database);
-    let outcome = async {
-        // Two nodes starting together: migrations must not trip each other.
-        let (first, second) = tokio::join!(arbor_store::open(&url), arbor_store::open(&url));
-        let first = first.expect("postgres store opens");
-        let second = second.expect("postgres store opens twice");
-        // Run on its own task so a failing assertion comes back as an error
-        // here and the database is still dropped.
-        let result = tokio::spawn(story(first, second)).await;
-        let again = arbor_store::open(&url).await.expect("postgres store reopens");
-        again.count_users().await.expect("reopened store answers");
-        result
-    }
-    .await;
+    let outcome = story(with_database(&server_url, &database), database.clone(), admin.clone()).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)")))
         .execute(&admin)
         .await
@@ -175,6 +187,55 @@ pair_stories!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_notices_cross_nodes() {
     on_postgres_pair(story_notices_cross_nodes).await;
+}
+
+/// When PostgreSQL drops every connection of the pool (a restart, a
+/// fail-over, an administrator), the next calls still succeed: the pool
+/// tests a connection before handing it out and replaces a dead one, so no
+/// turn pays for the connections that died while idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_pool_replaces_connections_killed_while_idle() {
+    // The story runs on its own task, so a failing assertion comes back as
+    // an error and the database is still dropped.
+    on_postgres_database(|url, database, admin| {
+        tokio::spawn(async move {
+            let store = arbor_store::open(&url).await.expect("postgres store opens");
+            // Enough calls side by side that the pool holds several connections.
+            let mut warm = tokio::task::JoinSet::new();
+            for _ in 0..8 {
+                let store = store.clone();
+                warm.spawn(async move { store.count_users().await });
+            }
+            while let Some(counted) = warm.join_next().await {
+                counted.expect("the call ran").expect("the store answers");
+            }
+            let killed: Vec<bool> = sqlx::query_scalar(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            )
+            .bind(&database)
+            .fetch_all(&admin)
+            .await
+            .expect("terminate the store's connections");
+            assert!(!killed.is_empty(), "the store held no connection to kill");
+            // Termination is a signal: wait until the server has let them go.
+            for _ in 0..100 {
+                let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
+                    .bind(&database)
+                    .fetch_one(&admin)
+                    .await
+                    .expect("count the connections left");
+                if left == 0 {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            store.create_user(&user("after-the-kill", None)).await.expect("a write after the kill succeeds");
+            for _ in 0..16 {
+                assert_eq!(store.count_users().await.expect("a read after the kill succeeds"), 1);
+            }
+        })
+    })
+    .await;
 }
 
 /// A batch of events the database numbers wakes the other nodes, and not
