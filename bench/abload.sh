@@ -16,9 +16,7 @@ RATE=${2:-500}
 SECONDS_MEASURED=${3:-15}
 source "$ROOT/bench/common.sh"
 open_work abload
-start_mock0
-start_arbor0 "$ARBOR_BIN"
-await_arbor 100 0.2
+start_pair0 "$ARBOR_BIN"
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 2 --runs 1 --scenario abload >"$WORK/load.log" 2>&1
 grep -o 'run 1: .*' "$WORK/load.log"

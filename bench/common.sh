@@ -16,9 +16,10 @@ prices = { input = 150000, output = 600000 }
 TOML
 }
 
-# The rest is for profile.sh, threadstat.sh and pgturns.sh, which drive one
-# Arbor on core 0 against one 0 ms mock on core 1. They expect ROOT and BIN
-# from the sourcing script, and WORK and PIDS from `open_work`.
+# The rest is for the scripts that drive one Arbor on core 0 against one
+# mock on core 1 (abload, connmem, memprobe, pgturns, profile, threadstat).
+# They expect ROOT and BIN from the sourcing script, and WORK and PIDS from
+# `open_work`.
 
 # Makes $WORK, a fresh temporary folder named after NAME, and the PIDS
 # array; on exit every process in PIDS is stopped and $WORK removed, unless
@@ -61,6 +62,14 @@ start_arbor0() { # COMMAND...
     >"$WORK/stdout" 2>"$WORK/stderr" &
   ARBOR_PID=$!
   PIDS+=("$ARBOR_PID")
+}
+
+# The usual pair: the 0 ms (or DELAY_MS) mock, and ARBOR_BIN on core 0 once
+# it answers (ARBOR_PID and ARBOR_BENCH_KEY set).
+start_pair0() { # ARBOR_BIN [DELAY_MS]
+  start_mock0 "${2:-0}"
+  start_arbor0 "$1"
+  await_arbor 100 0.2
 }
 
 # Waits until Arbor answers on port 8080 (TRIES polls PAUSE seconds apart)

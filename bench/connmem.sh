@@ -16,9 +16,7 @@ ARBOR_BIN=${1:-$BIN/arbor}
 COUNT=${2:-900}
 source "$ROOT/bench/common.sh"
 open_work connmem
-start_mock0 0
-start_arbor0 "$ARBOR_BIN"
-await_arbor 100 0.2
+start_pair0 "$ARBOR_BIN"
 python3 - "$ARBOR_PID" "$COUNT" <<'PY'
 import socket, sys, time
 pid, count = int(sys.argv[1]), int(sys.argv[2])

@@ -394,8 +394,8 @@ def floor_cell(p, base, field):
     return cell
 
 
-floor_tables = [("F1", "S0", "S1", "latency_us", "JSON turns, 0 ms mock: time to the whole answer"),
-                ("F3", "S0-stream", "S3", "first_delta_us", "streamed turns: time to the first token")]
+floor_tables = [("F1", "S0", "S1", "latency_us", "JSON turns, 0 ms mock: time to the whole answer."),
+                ("F3", "S0-stream", "S3", "first_delta_us", "Streamed turns: time to the first token.")]
 if any(rates(floor) for floor, *_ in floor_tables):
     w("## The floor: Arbor's HTTP stack without Arbor")
     w("")
@@ -413,7 +413,7 @@ if any(rates(floor) for floor, *_ in floor_tables):
         floor_rates = rates(floor)
         if not floor_rates:
             continue
-        w(f"{title[0].upper()}{title[1:]}.")
+        w(title)
         w("")
         w("| rate | direct p50 / p99 | floor, no fsync | floor, 2 fsyncs | Arbor | Arbor minus floor (2 fsyncs) p50 / p99 |")
         w("|---|---|---|---|---|---|")
@@ -421,9 +421,7 @@ if any(rates(floor) for floor, *_ in floor_tables):
             base = point(direct, rate)
             bare, durable = point(floor, rate, "floor-0"), point(floor, rate, "floor-2")
             arbor = point(scenario, rate, "sqlite")
-            own = ("—" if arbor is None or durable is None else
-                   pair(minus(arbor.get(field, "p50"), durable.get(field, "p50")),
-                        minus(arbor.get(field, "p99"), durable.get(field, "p99"))))
+            own = pair(overhead(arbor, durable, field, "p50"), overhead(arbor, durable, field, "p99"))
             w(f"| {rate_text(rate)} | {pair(base.get(field, 'p50'), base.get(field, 'p99')) if base else '—'} "
               f"| {floor_cell(bare, base, field)} | {floor_cell(durable, base, field)} "
               f"| {floor_cell(arbor, base, field)} | {own} |")

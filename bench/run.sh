@@ -8,9 +8,9 @@
 # Options: --no-litellm, --no-postgres, --only "S1 S3" (scenarios to run).
 # Environment: ARBOR_CORE / LOAD_CORE (default 0 / 1), S1_RATES, S2_RATES,
 # S3_RATES, S6_RATES, FLOOR_RATES (space-separated rates; FLOOR_RATES are the
-# S1 and S3 rates at which the floor runs too, default 100 500 1000 2000 3000), ARBOR_BIN (another arbor
-# binary, for A/B runs), BENCH_OUT (write results and report there instead
-# of bench/), LOAD_EXTRA (more arbor-bench load options), PG_URL (default
+# S1 and S3 rates at which the floor runs too, default 100 500 1000 2000
+# 3000), ARBOR_BIN (another arbor binary, for A/B runs), BENCH_OUT (write
+# results and report there instead of bench/), LOAD_EXTRA (more arbor-bench load options), PG_URL (default
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
 # default: bench/.venv or the one on PATH; installed into bench/.venv when
 # missing and BENCH_INSTALL_LITELLM=1), SQLITE_SYNC (normal: SQLite commits
@@ -186,13 +186,13 @@ load() { # SCENARIO VARIANT TARGET RATE [extra arbor-bench args...]
     arbor) base=$ARBOR; model=${MODEL:-mock-0} ;;
     direct) base=http://127.0.0.1:${DIRECT_PORT:-$MOCK0}/v1; model=mock-model ;;
     litellm) base=http://127.0.0.1:$LITELLM_PORT/v1; model=mock-model ;;
-    floor-*) base=http://127.0.0.1:${FLOOR_PORT[${FLOORS:-}$target]}/v1; model=mock-model ;;
+    *floor-*) base=http://127.0.0.1:${FLOOR_PORT[$target]}/v1; model=mock-model ;;
   esac
   local kind=openai; [[ $target == arbor ]] && kind=arbor
   local pid_args=()
   [[ $target == arbor ]] && pid_args=(--server-pid "$ARBOR_PID")
   [[ $target == litellm ]] && pid_args=(--server-pid "$LITELLM_PID")
-  [[ $target == floor-* ]] && pid_args=(--server-pid "${FLOOR_PID[${FLOORS:-}$target]}")
+  [[ $target == *floor-* ]] && pid_args=(--server-pid "${FLOOR_PID[$target]}")
   local key_args=()
   [[ $target == litellm ]] && key_args=(--key "$LITELLM_KEY")
   taskset -c "$LOAD_CORE" "$BIN/arbor-bench" load --target "$kind" --base-url "$base" --model "$model" \
@@ -341,8 +341,8 @@ if wants S3; then
   for rate in $S3_RATES; do
     DIRECT_PORT=$MOCKSTREAM load S0-stream direct direct "$rate" --stream
     if floor_rate "$rate"; then
-      FLOORS=stream- load F3 floor-0 floor-0 "$rate" --stream
-      FLOORS=stream- load F3 floor-2 floor-2 "$rate" --stream
+      load F3 floor-0 stream-floor-0 "$rate" --stream
+      load F3 floor-2 stream-floor-2 "$rate" --stream
     fi
     MODEL=mock-stream load S3 sqlite arbor "$rate" --stream
     if saturated 1000; then

@@ -29,9 +29,7 @@ ARBOR_BIN=${1:-$BIN/arbor}
 RATE=${2:-500}
 source "$ROOT/bench/common.sh"
 open_work threadstat
-start_mock0 "${MOCK_DELAY_MS:-0}"
-start_arbor0 "$ARBOR_BIN"
-await_arbor 100 0.2
+start_pair0 "$ARBOR_BIN" "${MOCK_DELAY_MS:-0}"
 if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
 if [[ ${LIMITED:-0} == 1 ]]; then
   ARBOR_BENCH_KEY=$("$ARBOR_BIN" users add bench-limited --data-dir "$WORK" --config "$WORK/arbor.toml")

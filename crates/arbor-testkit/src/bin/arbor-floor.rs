@@ -14,9 +14,9 @@
 //! so a sync never has to grow the file (as SQLite's reused WAL does not).
 //!
 //! Run on Arbor's core against the same mock and load client (the
-//! benchmark's F1 and F3 points, `bench/run.sh`), it says how much of Arbor's overhead any server on
-//! this machine pays — the HTTP hops, the wakes of an idle core, the disk —
-//! and how much is Arbor's own work.
+//! benchmark's F1 and F3 points, `bench/run.sh`), it says how much of
+//! Arbor's overhead any server on this machine pays — the HTTP hops, the
+//! wakes of an idle core, the disk — and how much is Arbor's own work.
 //!
 //! ```text
 //! arbor-floor --listen 127.0.0.1:8090 --upstream http://127.0.0.1:9100 --fsyncs 2 --data-dir /tmp/floor
@@ -34,7 +34,7 @@ use arbor_providers::http::{HttpTimeouts, build_client};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::serve::ListenerExt;
 use clap::Parser;
@@ -75,8 +75,10 @@ struct Args {
 struct Floor {
     client: reqwest::Client,
     upstream: String,
-    fsyncs: u8,
-    log: Option<Log>,
+    /// Where the request is made durable before it is forwarded (--fsyncs 1 or 2).
+    request_log: Option<Log>,
+    /// Where the answer is made durable before it is returned (--fsyncs 2).
+    answer_log: Option<Log>,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -87,12 +89,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (_, None) => return Err("--fsyncs needs --data-dir".into()),
     };
     let client = build_client(&HttpTimeouts::default()).map_err(|error| error.to_string())?;
-    let floor =
-        Arc::new(Floor { client, upstream: args.upstream.trim_end_matches('/').to_owned(), fsyncs: args.fsyncs, log });
+    let answer_log = if args.fsyncs == 2 { log.clone() } else { None };
+    let upstream = args.upstream.trim_end_matches('/').to_owned();
+    let floor = Arc::new(Floor { client, upstream, request_log: log, answer_log });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
-        println!("arbor-floor: {} -> {} ({} fsyncs a request)", listener.local_addr()?, floor.upstream, floor.fsyncs);
+        println!("arbor-floor: {} -> {} ({} fsyncs a request)", listener.local_addr()?, floor.upstream, args.fsyncs);
         let listener = listener.tap_io(|tcp| {
             let _ = tcp.set_nodelay(true);
         });
@@ -108,10 +111,10 @@ async fn forward(State(floor): State<Arc<Floor>>, request: Request) -> Response 
     }
 }
 
-async fn try_forward(floor: &Arc<Floor>, request: Request) -> Result<Response, String> {
+async fn try_forward(floor: &Floor, request: Request) -> Result<Response, String> {
     let (parts, body) = request.into_parts();
     let body = axum::body::to_bytes(body, MAX_BODY).await.map_err(|error| format!("reading the request: {error}"))?;
-    if let Some(log) = &floor.log {
+    if let Some(log) = &floor.request_log {
         log.write(body.clone()).await?;
     }
     let url = format!("{}{}", floor.upstream, parts.uri.path());
@@ -126,7 +129,7 @@ async fn try_forward(floor: &Arc<Floor>, request: Request) -> Result<Response, S
     let status = upstream.status();
     let content_type = upstream.headers().get(header::CONTENT_TYPE).cloned();
     let streamed = content_type.as_ref().is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
-    let answer_log = if floor.fsyncs >= 2 { floor.log.clone() } else { None };
+    let answer_log = floor.answer_log.clone();
     let body = if streamed {
         // Chunks go on as they come; the answer's durable write ends the
         // stream (a stateful server would hold back its `done` for it).
@@ -150,11 +153,11 @@ async fn try_forward(floor: &Arc<Floor>, request: Request) -> Result<Response, S
     if let Some(value) = content_type {
         response.headers_mut().insert(header::CONTENT_TYPE, value);
     }
-    response.headers_mut().insert("x-arbor-floor", HeaderValue::from_static("1"));
     Ok(response)
 }
 
-type Job = (Bytes, oneshot::Sender<io::Result<()>>);
+/// A record and where to say whether it is on disk (or why not).
+type Job = (Bytes, oneshot::Sender<Result<(), String>>);
 
 /// The durable log: a sender to the writer thread.
 #[derive(Clone)]
@@ -187,11 +190,7 @@ impl Log {
         }
         let (reply, written) = oneshot::channel();
         self.jobs.send((record, reply)).map_err(|_| "the log writer stopped".to_owned())?;
-        match written.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(format!("writing the log: {error}")),
-            Err(_) => Err("the log writer stopped".to_owned()),
-        }
+        written.await.unwrap_or_else(|_| Err("the log writer stopped".to_owned()))
     }
 }
 
@@ -216,10 +215,10 @@ fn write_loop(file: &File, queue: &mpsc::Receiver<Job>) {
                 offset += record.len() as u64;
                 Ok(())
             })
-            .and_then(|()| file.sync_data());
+            .and_then(|()| file.sync_data())
+            .map_err(|error| format!("writing the log: {error}"));
         for (_, reply) in group.drain(..) {
-            let _ = reply
-                .send(written.as_ref().map(|_| ()).map_err(|error| io::Error::new(error.kind(), error.to_string())));
+            let _ = reply.send(written.clone());
         }
     }
 }
