@@ -79,9 +79,8 @@ where
 
 /// Runs `story` with the URL and the name of a fresh PostgreSQL database
 /// and a pool on the server's `postgres` database (to administer it), when
-/// a server is
-/// configured; drops the database afterwards and re-raises the story's
-/// panic, if any.
+/// a server is configured; drops the database afterwards and re-raises the
+/// story's panic, if any.
 async fn on_postgres_database<F, Fut>(story: F)
 where
     F: FnOnce(String, String, sqlx::PgPool) -> Fut,
