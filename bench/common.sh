@@ -45,7 +45,7 @@ close_work() {
 start_mock0() { # [DELAY_MS]
   gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
   LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 \
-    --delay-ms "${1:-0}" >"$WORK/mock.log" 2>&1 &
+    --delay-ms "${1:-0}" --chunk-delay-ms "${MOCK_CHUNK_DELAY_MS:-0}" >"$WORK/mock.log" 2>&1 &
   PIDS+=($!)
   {
     printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db%s"\n' "$WORK" \

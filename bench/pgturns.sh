@@ -5,7 +5,9 @@
 # load client's line (latency, TTFT, Arbor's own overhead). With
 # COUNT_STATEMENTS=1 it instead drives 5 turns/s for 4 s with sqlx's
 # statement log on and prints the statements per turn by kind (the round
-# trips a turn costs). Alternate two builds to compare them.
+# trips a turn costs). Alternate two builds to compare them. It also prints
+# what PostgreSQL spent per turn (bench/pgcost.py: its CPU, commits, WAL
+# and rows by table).
 #
 #   bench/pgturns.sh [ARBOR_BIN] [RATE] [--stream]   # defaults: the release build, 20
 #
@@ -31,6 +33,7 @@ else
   DURATION=12 WARMUP=2
 fi
 await_arbor 100 0.2
+python3 "$ROOT/bench/pgcost.py" snap "$PG_URL" arbor_pgturns >"$WORK/pg-before.json"
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration "$DURATION" --warmup "$WARMUP" --runs 1 --scenario pgturns "$@" >"$WORK/load.log" 2>&1
 if [[ ${COUNT_STATEMENTS:-0} == 1 ]]; then
@@ -52,3 +55,4 @@ PY
 else
   grep -o "run 1: .*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"
 fi
+python3 "$ROOT/bench/pgcost.py" diff "$PG_URL" arbor_pgturns "$WORK/pg-before.json"
