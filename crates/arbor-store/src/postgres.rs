@@ -588,6 +588,11 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// A row is changed at most once per statement in PostgreSQL, so the
 /// user's charge and the release of their reservation are one update; a
 /// reservation of another user (the engine makes none) is released apart.
+/// The head is found by the reply's conversation id as a value (`id =
+/// (SELECT …)`), not by joining the reply: planned while conversations was
+/// small, the join became a hash join over the whole table: every finished
+/// turn read all of conversations (~250 rows a turn after 4,000 turns on 450
+/// conversations), a cost that grows with the table (bench/analysis.md).
 /// Parameters: $1–$16 the reply as `NodeArrays` of one node, or of none;
 /// $17 the reservation (or NULL); $18–$35 the call (`bind_call`);
 /// $36 the time of the head move; $37–$53 the turn (`bind_turn_update`).
@@ -624,8 +629,8 @@ const FINISH_TURN: &str = concat!(
      entry AS (INSERT INTO cost_ledger (",
     ledger_columns!(),
     ") SELECT $18, $21, $18, $34, balance_credits, $35 FROM charged RETURNING 1), \
-     head AS (UPDATE conversations SET head_id = reply.id, head_version = head_version + 1, updated_at = $36 \
-       FROM reply WHERE conversations.id = reply.conversation_id RETURNING head_version), \
+     head AS (UPDATE conversations SET head_id = (SELECT id FROM reply), head_version = head_version + 1, \
+       updated_at = $36 WHERE id = (SELECT conversation_id FROM reply) RETURNING head_version), \
      finished AS (UPDATE turns SET status = $37, model = $38, iterations = $39, input_tokens = $40, \
        output_tokens = $41, thinking_tokens = $42, cached_tokens = $43, \
        cache_write_tokens = $44, cost_micro_usd = $45, reply_message_id = $46, \
