@@ -13,7 +13,6 @@ use arbor_store::{Store, StoreError, StoreResult};
 use tokio_util::sync::CancellationToken;
 
 use crate::hub::Hub;
-use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 
 /// Largest number of events written in one transaction. One batch is
@@ -25,10 +24,6 @@ use tokio::sync::{mpsc, oneshot};
 /// the writer catches up with what accumulated during one commit (123-296
 /// waiting, 133 MB). Below saturation batches are small either way.
 const MAX_BATCH: usize = 4096;
-
-/// Conversations whose events the database numbers at the same time (each
-/// holds a pooled connection meanwhile; the pool has 16).
-const CONCURRENT_GROUPS: usize = 4;
 
 enum Message {
     /// An event, and the hub's "flushed up to" mark to advance once stored.
@@ -198,49 +193,46 @@ where
     }
 }
 
-/// Stores events the database numbers, one conversation at a time (in the
-/// order they were emitted), and publishes them to their hubs (the store
-/// wakes the other nodes).
+/// Stores events the database numbers, all of a batch's conversations in
+/// one transaction (each conversation's in the order they were emitted),
+/// and publishes each conversation's to its hub (the store wakes the other
+/// nodes). The next batch waits for this one, so a conversation's events
+/// stay in order.
 async fn number_and_publish(store: &dyn Store, closing: &CancellationToken, events: Vec<(Event, Weak<Hub>)>) {
-    let mut groups: Vec<(Arc<str>, Weak<Hub>, Vec<Event>)> = Vec::new();
+    // Each conversation's events side by side, so that what comes back
+    // (in the order sent, a conversation that is gone left out) is a run
+    // per hub.
+    let mut groups: Vec<(Arc<str>, Weak<Hub>, usize)> = Vec::new();
+    let mut grouped: Vec<Vec<Event>> = Vec::new();
     for (event, hub) in events {
-        match groups.iter_mut().find(|(conversation, _, _)| *conversation == event.conversation_id) {
-            Some((_, _, group)) => group.push(event),
-            None => groups.push((event.conversation_id.clone(), hub, vec![event])),
+        match groups.iter().position(|(conversation, _, _)| *conversation == event.conversation_id) {
+            Some(index) => {
+                groups[index].2 += 1;
+                grouped[index].push(event);
+            }
+            None => {
+                groups.push((event.conversation_id.clone(), hub, 1));
+                grouped.push(vec![event]);
+            }
         }
     }
-    // Conversations are numbered independently, so their groups are stored
-    // side by side (each batch holds one group per conversation, and the
-    // next batch waits for this one: a conversation's events stay in order).
-    futures_util::stream::iter(groups)
-        .for_each_concurrent(CONCURRENT_GROUPS, |(conversation_id, hub, group)| {
-            store_numbered_group(store, closing, conversation_id, hub, group)
-        })
-        .await;
-}
-
-/// Numbers and stores one conversation's events, then publishes them.
-async fn store_numbered_group(
-    store: &dyn Store,
-    closing: &CancellationToken,
-    conversation_id: Arc<str>,
-    hub: Weak<Hub>,
-    group: Vec<Event>,
-) {
-    let stored = retrying(closing, group.len(), || store.append_events_numbered(&conversation_id, &group)).await;
-    let numbered = match stored {
-        Ok(numbered) => numbered,
+    let batch: Vec<Event> = grouped.into_iter().flatten().collect();
+    let stored = match retrying(closing, batch.len(), || store.append_events_numbered(&batch)).await {
+        Ok(stored) => stored,
         Err(error) => {
-            tracing::error!(%error, events = group.len(), %conversation_id, "storing events failed; they are lost");
-            if let Some(hub) = hub.upgrade() {
-                hub.publish(&[], group.len());
-            }
-            return;
+            tracing::error!(%error, events = batch.len(), "storing events failed; they are lost");
+            Vec::new()
         }
     };
-    // The store announced them to the other nodes with its commit.
-    if let Some(hub) = hub.upgrade() {
-        hub.publish(&numbered, group.len());
+    let mut stored = stored.as_slice();
+    for (conversation_id, hub, sent) in groups {
+        let run = stored.iter().take_while(|event| event.conversation_id == conversation_id).count();
+        let (numbered, rest) = stored.split_at(run);
+        stored = rest;
+        // The store announced them to the other nodes with its commit.
+        if let Some(hub) = hub.upgrade() {
+            hub.publish(numbered, sent);
+        }
     }
 }
 
@@ -271,6 +263,42 @@ mod tests {
             store.create_conversation(&testing::conversation("u", id)).await.expect("conversation");
         }
         store
+    }
+
+    /// Events the database numbers, of several conversations emitted in
+    /// turn, go in one batch: each hub gets its own, numbered from 1 in the
+    /// order emitted, and a conversation that is gone costs the others
+    /// nothing.
+    #[tokio::test]
+    async fn numbered_events_of_several_conversations_reach_their_hubs() {
+        use crate::hub::{Hub, Numbering};
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> = Arc::new(store_with(folder.path(), &["c1", "c2"]).await);
+        let (writer, _task) = EventWriter::start(store.clone(), CancellationToken::new());
+        let hubs: Vec<Arc<Hub>> =
+            ["c1", "c2", "gone"].iter().map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database)).collect();
+        let mut viewers: Vec<_> = hubs.iter().map(|hub| hub.subscribe_live().1.receiver).collect();
+        // Emitted without yielding, so the writer takes them as one batch.
+        for round in 0..3 {
+            for hub in &hubs {
+                hub.emit(None, EventName::Delta, &serde_json::json!({ "round": round }));
+            }
+        }
+        writer.flush().await;
+        for (hub, viewer) in hubs.iter().zip(&mut viewers).take(2) {
+            for round in 0..3 {
+                let event = viewer.try_recv().expect("published");
+                assert_eq!(event.seq, round + 1);
+                assert_eq!(&*event.conversation_id, &*hub.conversation_id);
+                assert_eq!(&*event.data, format!(r#"{{"round":{round}}}"#));
+            }
+            assert_eq!(store.last_event_seq(&hub.conversation_id).await.expect("read"), 3);
+        }
+        let mut gone = viewers.pop().expect("third viewer");
+        assert!(gone.try_recv().is_err(), "nothing published for a conversation that is gone");
+        drop(gone);
+        // Its hub no longer waits for them, so it can leave memory.
+        assert!(hubs[2].idle_since().is_some(), "the hub of a conversation that is gone still waits for its events");
     }
 
     /// Makes every insert into the store's events fail until the trigger

@@ -9,6 +9,7 @@
 //! cannot drift apart in how, say, a tool call is parsed back.
 
 use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use arbor_core::message::NodeStatus;
@@ -380,13 +381,28 @@ pub(crate) fn migrator(migrations: &[(i64, &'static str, &'static str)]) -> Migr
     )
 }
 
-/// `events` renumbered `last + 1, last + 2, …` for `conversation_id`.
-pub(crate) fn number_events(conversation_id: &str, last: i64, events: &[Event]) -> Vec<Event> {
-    let conversation_id: Arc<str> = Arc::from(conversation_id);
+/// The distinct conversations of a batch of events, sorted, and how many
+/// events each has in it.
+pub(crate) fn events_by_conversation(events: &[Event]) -> (Vec<&str>, Vec<i64>) {
+    let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
+    for event in events {
+        *counts.entry(&*event.conversation_id).or_default() += 1;
+    }
+    counts.into_iter().unzip()
+}
+
+/// Numbers a batch of events as the database stored it: each
+/// conversation's after the last number before its part of the batch
+/// (`last_before`), in the order given. Events of a conversation without
+/// an entry (gone) are left out.
+pub(crate) fn number_events(events: &[Event], mut last_before: HashMap<String, i64>) -> Vec<Event> {
     events
         .iter()
-        .zip(last + 1..)
-        .map(|(event, seq)| Event { seq, conversation_id: conversation_id.clone(), ..event.clone() })
+        .filter_map(|event| {
+            let last = last_before.get_mut(&*event.conversation_id)?;
+            *last += 1;
+            Some(Event { seq: *last, ..event.clone() })
+        })
         .collect()
 }
 

@@ -212,18 +212,20 @@ pub trait Store: Send + Sync + 'static {
     /// end), and the rest of the batch, other conversations' events, is
     /// stored: one deleted conversation must not cost the others theirs.
     async fn append_events(&self, events: &[Event]) -> StoreResult<()>;
-    /// Appends events of one conversation numbered by the database: after
-    /// the highest stored `seq`, in one transaction that holds the
-    /// conversation until it commits. Whichever node writes, numbers have no
-    /// holes and become visible in order, so a client resuming after `n`
-    /// can never skip an event committed later under a smaller number. The
-    /// given `seq` values are ignored; the events are returned as stored.
-    /// A non-empty batch is announced to the other nodes' listeners with its
-    /// commit ([`Notice::Events`] up to its last number), as [`Store::notify`]
-    /// would, without a round trip of its own; this store's own listeners
-    /// do not get it (the caller has the events). `NotFound` for an unknown
-    /// conversation.
-    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>>;
+    /// Appends events numbered by the database, of one conversation or
+    /// several, in one transaction: each conversation's after its highest
+    /// stored `seq`, in the order given, holding the conversation until the
+    /// commit. Whichever node writes, numbers have no holes and become
+    /// visible in order, so a client resuming after `n` can never skip an
+    /// event committed later under a smaller number. The given `seq` values
+    /// are ignored; the events are returned as stored, in the order given.
+    /// Events of a conversation that does not exist are left out (as in
+    /// [`Store::append_events`]), and the others stored. Each
+    /// conversation's part is announced to the other nodes' listeners with
+    /// the commit ([`Notice::Events`] up to its last number), as
+    /// [`Store::notify`] would, without a round trip of its own; this
+    /// store's own listeners do not get it (the caller has the events).
+    async fn append_events_numbered(&self, events: &[Event]) -> StoreResult<Vec<Event>>;
     /// Events of a conversation with `seq > after`, in order, at most `limit`.
     async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>>;
     /// The highest stored `seq` of a conversation (0 when none).

@@ -8,6 +8,7 @@
 //! statement (`UNNEST` of arrays) and a conversation's tree loads in one
 //! ordered query, so no request costs a round trip per row.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +32,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (4, "running turns indexed once", include_str!("../migrations/postgres/0004_running_turns_indexed_once.sql")),
     (5, "event counter", include_str!("../migrations/postgres/0005_event_counter.sql")),
     (6, "abort function", include_str!("../migrations/postgres/0006_abort_function.sql")),
+    (7, "events numbered together", include_str!("../migrations/postgres/0007_events_numbered_together.sql")),
 ];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
@@ -505,13 +507,16 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
     Ok(released.is_some())
 }
 
-/// Numbers a batch of one conversation's events, stores them and announces
-/// them, in one statement and so in one transaction of its own; returns the
-/// number before the batch's first (the batch is `last + 1 ..` in order, as
-/// `codec::number_events` numbers it), or no row when the conversation is
-/// gone.
+/// Numbers a batch of events of one or more conversations, stores them and
+/// announces them, in one statement and so in one transaction of its own;
+/// returns, for each conversation that exists, the number before its
+/// batch's first (its events are `last_before + 1 ..` in the order given,
+/// as `codec::number_events` numbers them). A conversation that is gone
+/// has no row, and its events are not stored.
 ///
-/// - Numbering: the conversation's counter moves past the batch. The
+/// - Numbering: `arbor_number_events` (migration 7) moves each
+///   conversation's counter past its part of the batch, by key, in the
+///   order of $1 (sorted, so batches lock shared conversations alike). The
 ///   `UPDATE` holds the row until the statement commits, so a concurrent
 ///   batch (of any node) waits, then numbers from the counter as this one
 ///   left it (PostgreSQL re-reads a row updated meanwhile): numbers have no
@@ -524,28 +529,32 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
 ///   order, so the next synchronous commit (a turn's start or end, on any
 ///   node) makes these durable too; a crash of the database can lose only a
 ///   suffix of the events, never leave a gap.
-/// - The announcement: a [`Notice::Events`] up to the batch's last number,
-///   sent with the commit, for the other nodes. It names this store as its
-///   `origin`, and this store's listener leaves it out: the node's own
-///   writer publishes the batch once this returns, and a notice that came
-///   first would make the node read the events back from the database.
+/// - The announcement: a [`Notice::Events`] per conversation, up to its
+///   last number, sent with the commit, for the other nodes. It names this
+///   store as its `origin`, and this store's listener leaves it out: the
+///   node's own writer publishes the batch once this returns, and a notice
+///   that came first would make the node read the events back.
 ///
-/// The two side effects are in the final `SELECT`, which PostgreSQL
-/// evaluates once for the one row `bumped` returns. Parameters: $1 the
-/// conversation, $2–$5 the events' turn ids, names, data and times, $6 the
-/// notice channel, $7 the origin.
+/// One statement for all the conversations a batch holds: streamed turns
+/// emit a `delta` every few milliseconds each, so a batch used to be one
+/// statement (and commit) per event (bench/analysis.md). The side effects
+/// are in the final `SELECT`, evaluated once per row of `bumped`.
+/// Parameters: $1 the conversations (sorted, distinct), $2 how many events
+/// each has in the batch, $3–$7 the events' conversations, turn ids,
+/// names, data and times, $8 the notice channel, $9 the origin.
 const NUMBERED_EVENTS_INSERT: &str = concat!(
-    "WITH bumped AS (UPDATE conversations SET event_seq = GREATEST(event_seq, \
-       (SELECT COALESCE(MAX(seq), 0) FROM events WHERE conversation_id = $1)) + cardinality($2::text[]) \
-       WHERE id = $1 RETURNING event_seq - cardinality($2::text[]) AS before, event_seq AS last), \
+    "WITH bumped AS (SELECT * FROM arbor_number_events($1::text[], $2::bigint[])), \
      stored AS (INSERT INTO events (",
     event_columns!(),
-    ") SELECT $1, bumped.before + batch.position, batch.turn_id, batch.name, batch.data, batch.created_at \
-       FROM bumped, UNNEST($2::text[], $3::text[], $4::text[], $5::bigint[]) \
-       WITH ORDINALITY AS batch (turn_id, name, data, created_at, position) RETURNING 1) \
-     SELECT before, set_config('synchronous_commit', 'off', true), \
-       pg_notify($6, json_build_object('kind', 'events', 'conversation_id', $1::text, 'seq', last, \
-         'origin', $7::text)::text)::text \
+    ") SELECT batch.conversation_id, bumped.last_before + row_number() OVER \
+         (PARTITION BY batch.conversation_id ORDER BY batch.position), \
+       batch.turn_id, batch.name, batch.data, batch.created_at \
+       FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[]) \
+       WITH ORDINALITY AS batch (conversation_id, turn_id, name, data, created_at, position) \
+       JOIN bumped ON bumped.conversation = batch.conversation_id RETURNING 1) \
+     SELECT conversation, last_before, set_config('synchronous_commit', 'off', true), \
+       pg_notify($8, json_build_object('kind', 'events', 'conversation_id', conversation, 'seq', last_seq, \
+         'origin', $9::text)::text)::text \
      FROM bumped"
 );
 
@@ -1230,30 +1239,33 @@ impl Store for PostgresStore {
         insert_events(&mut connection, events).await
     }
 
-    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
+    async fn append_events_numbered(&self, events: &[Event]) -> StoreResult<Vec<Event>> {
         if events.is_empty() {
-            let found: Option<i32> = sqlx::query_scalar("SELECT 1 FROM conversations WHERE id = $1")
-                .bind(conversation_id)
-                .fetch_optional(&self.pool)
-                .await?;
-            return found.map(|_| Vec::new()).ok_or(StoreError::NotFound);
+            return Ok(Vec::new());
         }
+        let (conversations, counts) = codec::events_by_conversation(events);
+        let conversation_ids: Vec<&str> = events.iter().map(|e| &*e.conversation_id).collect();
         let turn_ids: Vec<Option<&str>> = events.iter().map(|e| e.turn_id.as_deref()).collect();
         let names: Vec<&str> = events.iter().map(|e| e.name.as_str()).collect();
         let data: Vec<&str> = events.iter().map(|e| &*e.data).collect();
         let created_ats: Vec<i64> = events.iter().map(|e| e.created_at).collect();
-        let last: Option<i64> = sqlx::query_scalar(NUMBERED_EVENTS_INSERT)
-            .bind(conversation_id)
+        let rows = sqlx::query(NUMBERED_EVENTS_INSERT)
+            .bind(conversations)
+            .bind(counts)
+            .bind(conversation_ids)
             .bind(turn_ids)
             .bind(names)
             .bind(data)
             .bind(created_ats)
             .bind(NOTICE_CHANNEL)
             .bind(&self.notices.origin)
-            .fetch_optional(&self.pool)
+            .fetch_all(&self.pool)
             .await?;
-        let last = last.ok_or(StoreError::NotFound)?;
-        Ok(codec::number_events(conversation_id, last, events))
+        let mut last_before = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            last_before.insert(row.try_get::<String, _>(0)?, row.try_get::<i64, _>(1)?);
+        }
+        Ok(codec::number_events(events, last_before))
     }
 
     async fn events_after(&self, conversation_id: &str, after: i64, limit: u32) -> StoreResult<Vec<Event>> {

@@ -900,7 +900,7 @@ async fn story_numbered_events_wake_the_other_node(node_a: Arc<dyn Store>, node_
     let mut on_a = node_a.listen().await.expect("listen on a");
     let mut on_b = node_b.listen().await.expect("listen on b");
     let batch = [event("c1", 0, "{}"), event("c1", 0, r#"{"b":1}"#)];
-    node_a.append_events_numbered("c1", &batch).await.expect("numbered on a");
+    node_a.append_events_numbered(&batch).await.expect("numbered on a");
     assert_eq!(next_notice(&mut on_b).await, Notice::Events { conversation_id: "c1".into(), seq: 2 }, "b hears a");
     // Notices arrive in commit order: had the batch's reached a, it would
     // come before this one.
@@ -1168,66 +1168,104 @@ async fn story_a_large_tree_loads_whole(store: Arc<dyn Store>) {
 async fn story_events_numbered_by_the_store(store: Arc<dyn Store>) {
     alice_with_conversation(&*store, None).await;
     // The seq given is ignored; the store numbers from the last one.
-    let stored = store
-        .append_events_numbered("c1", &[event("c1", 0, "{}"), event("c1", 0, r#"{"b":1}"#)])
-        .await
-        .expect("numbered");
+    let stored =
+        store.append_events_numbered(&[event("c1", 0, "{}"), event("c1", 0, r#"{"b":1}"#)]).await.expect("numbered");
     let seqs: Vec<_> = stored.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, [1, 2]);
     store.append_events(&[event("c1", 3, "{}")]).await.expect("pre-numbered");
-    let stored = store.append_events_numbered("c1", &[event("elsewhere", 99, "{}")]).await.expect("numbered");
+    let stored = store.append_events_numbered(&[event("c1", 99, "{}")]).await.expect("numbered");
     assert_eq!(stored[0].seq, 4);
     assert_eq!(&*stored[0].conversation_id, "c1");
     assert_eq!(store.events_after("c1", 0, 10).await.expect("read").len(), 4);
     assert_eq!(store.events_after("c1", 3, 10).await.expect("read"), stored);
-    assert!(store.append_events_numbered("c1", &[]).await.expect("empty").is_empty());
-    assert!(matches!(store.append_events_numbered("c404", &[event("c404", 0, "{}")]).await, Err(StoreError::NotFound)));
+    assert!(store.append_events_numbered(&[]).await.expect("empty").is_empty());
+    assert!(store.append_events_numbered(&[event("c404", 0, "{}")]).await.expect("gone").is_empty());
+
+    // Several conversations in one batch: each numbered on its own, in the
+    // order given; one that is gone costs the others nothing.
+    store.create_conversation(&conversation("alice", "c2", 11)).await.expect("create c2");
+    let batch = [
+        event("c2", 0, r#"{"c2":1}"#),
+        event("c1", 0, r#"{"c1":5}"#),
+        event("c404", 0, "{}"),
+        event("c2", 0, r#"{"c2":2}"#),
+        event("c1", 0, r#"{"c1":6}"#),
+    ];
+    let stored = store.append_events_numbered(&batch).await.expect("numbered");
+    let numbers: Vec<_> = stored.iter().map(|e| (&*e.conversation_id, e.seq, &*e.data)).collect();
+    assert_eq!(
+        numbers,
+        [("c2", 1, r#"{"c2":1}"#), ("c1", 5, r#"{"c1":5}"#), ("c2", 2, r#"{"c2":2}"#), ("c1", 6, r#"{"c1":6}"#)]
+    );
+    assert_eq!(store.events_after("c1", 4, 10).await.expect("read"), [stored[1].clone(), stored[3].clone()]);
+    assert_eq!(store.events_after("c2", 0, 10).await.expect("read"), [stored[0].clone(), stored[2].clone()]);
+    assert!(store.events_after("c404", 0, 10).await.expect("read").is_empty());
 }
 
 async fn story_numbered_events_have_no_gaps(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
     alice_with_conversation(&*node_a, None).await;
+    node_a.create_conversation(&conversation("alice", "c2", 11)).await.expect("create c2");
     const WRITERS: usize = 30;
     const PER_WRITE: usize = 3;
     let total = (WRITERS * PER_WRITE) as i64;
 
-    // A client tailing the stream from the other node, as a resuming client
+    // Clients tailing both streams from the other node, as resuming clients
     // would: every read must continue exactly where the last one ended.
-    let reader = {
-        let store = node_b.clone();
-        tokio::spawn(async move {
-            let mut after = 0;
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-            while after < total {
-                assert!(std::time::Instant::now() < deadline, "the tail stalled");
-                let page = store.events_after("c1", after, 1_000).await.expect("tail");
-                for event in page {
-                    assert_eq!(event.seq, after + 1, "a resuming client saw a hole");
-                    after = event.seq;
+    let readers: Vec<_> = ["c1", "c2"]
+        .into_iter()
+        .map(|conversation| {
+            let store = node_b.clone();
+            tokio::spawn(async move {
+                let mut after = 0;
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while after < total {
+                    assert!(std::time::Instant::now() < deadline, "the tail of {conversation} stalled");
+                    let page = store.events_after(conversation, after, 1_000).await.expect("tail");
+                    for event in page {
+                        assert_eq!(event.seq, after + 1, "a resuming client of {conversation} saw a hole");
+                        after = event.seq;
+                    }
+                    tokio::task::yield_now().await;
                 }
-                tokio::task::yield_now().await;
-            }
+            })
         })
-    };
+        .collect();
+    // Every batch holds both conversations, half of them c1 first and half
+    // c2 first, from both nodes at once: batches that locked the two in the
+    // order given would deadlock.
     let writers: Vec<_> = (0..WRITERS)
         .map(|writer| {
             let store = if writer % 2 == 0 { node_a.clone() } else { node_b.clone() };
+            let order = if writer % 4 < 2 { ["c1", "c2"] } else { ["c2", "c1"] };
             tokio::spawn(async move {
-                let batch: Vec<_> = (0..PER_WRITE)
-                    .map(|part| event("c1", 0, &format!(r#"{{"writer":{writer},"part":{part}}}"#)))
+                let batch: Vec<_> = order
+                    .into_iter()
+                    .flat_map(|conversation| {
+                        (0..PER_WRITE)
+                            .map(move |part| event(conversation, 0, &format!(r#"{{"writer":{writer},"part":{part}}}"#)))
+                    })
                     .collect();
-                store.append_events_numbered("c1", &batch).await.expect("append")
+                store.append_events_numbered(&batch).await.expect("append")
             })
         })
         .collect();
     for writer in writers {
         let stored = writer.await.expect("task");
-        // Each batch is numbered in one run, in its own order.
-        for pair in stored.windows(2) {
-            assert_eq!(pair[1].seq, pair[0].seq + 1);
+        assert_eq!(stored.len(), 2 * PER_WRITE);
+        // Each conversation's part of a batch is numbered in one run, in
+        // its own order.
+        for part in stored.chunks(PER_WRITE) {
+            for pair in part.windows(2) {
+                assert_eq!(pair[1].conversation_id, pair[0].conversation_id);
+                assert_eq!(pair[1].seq, pair[0].seq + 1);
+            }
         }
     }
-    reader.await.expect("reader");
+    for reader in readers {
+        reader.await.expect("reader");
+    }
     assert_eq!(node_a.last_event_seq("c1").await.expect("seq"), total);
+    assert_eq!(node_b.last_event_seq("c2").await.expect("seq"), total);
 }
 
 /// A queued turn's messages are durable in its row until it starts, and

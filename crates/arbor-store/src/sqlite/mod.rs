@@ -17,6 +17,7 @@ mod packed;
 mod session;
 mod worker;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1262,20 +1263,26 @@ impl Store for SqliteStore {
         self.writer.write_deferred(move |connection| insert_events(connection, &events)).await
     }
 
-    async fn append_events_numbered(&self, conversation_id: &str, events: &[Event]) -> StoreResult<Vec<Event>> {
-        let (conversation_id, events) = (conversation_id.to_string(), events.to_vec());
+    async fn append_events_numbered(&self, events: &[Event]) -> StoreResult<Vec<Event>> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let events = events.to_vec();
         // The write transaction is the lock: no other writer can number
         // events between the read of the last seq and the commit.
         self.write(move |connection| {
-            let last: Option<i64> = connection
-                .cached(
-                    "SELECT (SELECT COALESCE(MAX(last_seq), 0) FROM events WHERE conversation_id = ?1) \
-                     FROM conversations WHERE id = ?1",
-                )?
-                .query_row([&conversation_id], |row| row.get(0))
-                .optional()?;
-            let last = last.ok_or(StoreError::NotFound)?;
-            let numbered = codec::number_events(&conversation_id, last, &events);
+            let mut last_before = HashMap::new();
+            let mut last = connection.cached(
+                "SELECT (SELECT COALESCE(MAX(last_seq), 0) FROM events WHERE conversation_id = ?1) \
+                 FROM conversations WHERE id = ?1",
+            )?;
+            for conversation_id in codec::events_by_conversation(&events).0 {
+                if let Some(seq) = last.query_row([conversation_id], |row| row.get(0)).optional()? {
+                    last_before.insert(conversation_id.to_string(), seq);
+                }
+            }
+            drop(last);
+            let numbered = codec::number_events(&events, last_before);
             insert_events(connection, &numbered)?;
             Ok(numbered)
         })
