@@ -199,24 +199,17 @@ where
 /// nodes). The next batch waits for this one, so a conversation's events
 /// stay in order.
 async fn number_and_publish(store: &dyn Store, closing: &CancellationToken, events: Vec<(Event, Weak<Hub>)>) {
-    // Each conversation's events side by side, so that what comes back
-    // (in the order sent, a conversation that is gone left out) is a run
-    // per hub.
-    let mut groups: Vec<(Arc<str>, Weak<Hub>, usize)> = Vec::new();
-    let mut grouped: Vec<Vec<Event>> = Vec::new();
+    let mut groups: Vec<(Arc<str>, Weak<Hub>, Vec<Event>)> = Vec::new();
     for (event, hub) in events {
-        match groups.iter().position(|(conversation, _, _)| *conversation == event.conversation_id) {
-            Some(index) => {
-                groups[index].2 += 1;
-                grouped[index].push(event);
-            }
-            None => {
-                groups.push((event.conversation_id.clone(), hub, 1));
-                grouped.push(vec![event]);
-            }
+        match groups.iter_mut().find(|(conversation, _, _)| *conversation == event.conversation_id) {
+            Some((_, _, group)) => group.push(event),
+            None => groups.push((event.conversation_id.clone(), hub, vec![event])),
         }
     }
-    let batch: Vec<Event> = grouped.into_iter().flatten().collect();
+    // Each conversation's events side by side, so that what comes back (in
+    // the order sent, a conversation that is gone left out) is a run per
+    // hub.
+    let batch: Vec<Event> = groups.iter().flat_map(|(_, _, group)| group.iter().cloned()).collect();
     let stored = match retrying(closing, batch.len(), || store.append_events_numbered(&batch)).await {
         Ok(stored) => stored,
         Err(error) => {
@@ -225,13 +218,13 @@ async fn number_and_publish(store: &dyn Store, closing: &CancellationToken, even
         }
     };
     let mut stored = stored.as_slice();
-    for (conversation_id, hub, sent) in groups {
+    for (conversation_id, hub, group) in groups {
         let run = stored.iter().take_while(|event| event.conversation_id == conversation_id).count();
         let (numbered, rest) = stored.split_at(run);
         stored = rest;
         // The store announced them to the other nodes with its commit.
         if let Some(hub) = hub.upgrade() {
-            hub.publish(numbered, sent);
+            hub.publish(numbered, group.len());
         }
     }
 }
