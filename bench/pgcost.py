@@ -2,7 +2,9 @@
 """What PostgreSQL itself spends, between two snapshots: the CPU of all its
 processes (from /proc), the commits of one database, the WAL it wrote and
 the rows each table gained, updated, updated in place (HOT) and had read by
-sequential scans.
+sequential scans. The CPU is that of the processes alive at each snapshot,
+so a backend that exits in between (a connection closed) takes its share
+with it; Arbor's pool keeps its connections through a run.
 
     bench/pgcost.py snap URL DB > before.json
     ... load ...

@@ -4,6 +4,7 @@
 //! themselves (everything that arrived while the last write ran goes in the
 //! next one); when idle each event is written as soon as it comes.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -199,12 +200,16 @@ where
 /// nodes). The next batch waits for this one, so a conversation's events
 /// stay in order.
 async fn number_and_publish(store: &dyn Store, closing: &CancellationToken, events: Vec<(Event, Weak<Hub>)>) {
+    // Found by key: a batch may hold MAX_BATCH events of hundreds of
+    // conversations.
     let mut groups: Vec<(Arc<str>, Weak<Hub>, Vec<Event>)> = Vec::new();
+    let mut group_of: HashMap<Arc<str>, usize> = HashMap::new();
     for (event, hub) in events {
-        match groups.iter_mut().find(|(conversation, _, _)| *conversation == event.conversation_id) {
-            Some((_, _, group)) => group.push(event),
-            None => groups.push((event.conversation_id.clone(), hub, vec![event])),
-        }
+        let index = *group_of.entry(event.conversation_id.clone()).or_insert_with(|| {
+            groups.push((event.conversation_id.clone(), hub, Vec::new()));
+            groups.len() - 1
+        });
+        groups[index].2.push(event);
     }
     // Each conversation's events side by side, so that what comes back (in
     // the order sent, a conversation that is gone left out) is a run per

@@ -1281,7 +1281,6 @@ impl Store for SqliteStore {
                     last_before.insert(conversation_id.to_string(), seq);
                 }
             }
-            drop(last);
             let numbered = codec::number_events(&events, last_before);
             insert_events(connection, &numbered)?;
             Ok(numbered)
