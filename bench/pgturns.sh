@@ -21,7 +21,7 @@ RATE=${2:-20}
 shift $(($# < 2 ? $# : 2))
 PG_URL=${PG_URL:-postgres://postgres@127.0.0.1:5432}
 source "$ROOT/bench/common.sh"
-open_work pgturns
+open_work pgturns ${KEEP:-}
 psql -q "$PG_URL/postgres" -c "DROP DATABASE IF EXISTS arbor_pgturns" -c "CREATE DATABASE arbor_pgturns" 2>/dev/null
 start_mock0
 sed -i "s|^database_url = .*|database_url = \"$PG_URL/arbor_pgturns\"|" "$WORK/arbor.toml"

@@ -114,7 +114,14 @@ impl Follower {
     /// Forwards live events; `None` when the viewer lagged behind.
     async fn live(&mut self, receiver: &mut broadcast::Receiver<Event>) -> Option<Stop> {
         loop {
-            match receiver.recv().await {
+            // A viewer that went away (a JSON turn's caller drops the stream
+            // at once) stops counting as one now, not at the next event: an
+            // unwatched conversation's events may wait to be stored together.
+            let received = tokio::select! {
+                received = receiver.recv() => received,
+                () = self.sender.closed() => return Some(Stop::ViewerGone),
+            };
+            match received {
                 Ok(event) => {
                     if let Err(stop) = self.deliver(event).await {
                         return Some(stop);

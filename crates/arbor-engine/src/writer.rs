@@ -3,6 +3,14 @@
 //! the store in one transaction per batch. Under load batches grow by
 //! themselves (everything that arrived while the last write ran goes in the
 //! next one); when idle each event is written as soon as it comes.
+//!
+//! Events the database numbers (several nodes) are the exception: each
+//! batch of them is a statement and a commit on the shared database, and
+//! nobody sees them until they are stored. So while nobody watches a
+//! conversation on this node, its events are held here (up to
+//! [`HOLD_UNWATCHED`]) and go with the next batch that someone waits for: a
+//! turn's end, an event of a watched conversation, a new viewer, a flush.
+//! A JSON turn's events are then one statement instead of three or four.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -32,8 +40,15 @@ enum Message {
     /// An event for the database to number (several nodes), and the hub to
     /// publish it to once stored.
     Unnumbered(Event, Weak<Hub>),
+    /// Stores the held events now (a viewer arrived).
+    Release,
     Flush(oneshot::Sender<()>),
 }
+
+/// How long events the database numbers may wait here while nobody on this
+/// node watches their conversation. Viewers on other nodes see them this
+/// much later at most (a turn's end and its answer are never held).
+pub(crate) const HOLD_UNWATCHED: Duration = Duration::from_millis(50);
 
 #[derive(Clone)]
 pub(crate) struct EventWriter {
@@ -48,8 +63,17 @@ impl EventWriter {
         store: Arc<dyn Store>,
         closing: CancellationToken,
     ) -> (EventWriter, tokio::task::JoinHandle<()>) {
+        EventWriter::holding(store, closing, HOLD_UNWATCHED)
+    }
+
+    /// [`EventWriter::start`] with another hold for unwatched events (tests).
+    pub(crate) fn holding(
+        store: Arc<dyn Store>,
+        closing: CancellationToken,
+        hold: Duration,
+    ) -> (EventWriter, tokio::task::JoinHandle<()>) {
         let (sender, receiver) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run(store, receiver, closing));
+        let task = tokio::spawn(run(store, receiver, closing, hold));
         (EventWriter { sender }, task)
     }
 
@@ -61,6 +85,11 @@ impl EventWriter {
 
     pub(crate) fn write_unnumbered(&self, event: Event, hub: Weak<Hub>) {
         let _ = self.sender.send(Message::Unnumbered(event, hub));
+    }
+
+    /// Stores the events held for unwatched conversations now.
+    pub(crate) fn release(&self) {
+        let _ = self.sender.send(Message::Release);
     }
 
     /// A writer to an in-memory SQLite store (tests).
@@ -79,24 +108,50 @@ impl EventWriter {
     }
 }
 
-async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Message>, closing: CancellationToken) {
+async fn run(
+    store: Arc<dyn Store>,
+    mut receiver: mpsc::UnboundedReceiver<Message>,
+    closing: CancellationToken,
+    hold: Duration,
+) {
     let mut batch: Vec<Event> = Vec::with_capacity(256);
     let mut marks: Vec<(Arc<AtomicI64>, i64)> = Vec::new();
     let mut unnumbered: Vec<(Event, Weak<Hub>)> = Vec::new();
+    // When the oldest of `unnumbered` came, while they are held.
+    let mut held_since: Option<tokio::time::Instant> = None;
     let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
-    while let Some(first) = receiver.recv().await {
-        let mut next = Some(first);
+    loop {
+        let first = match held_since {
+            None => receiver.recv().await,
+            Some(since) => tokio::select! {
+                message = receiver.recv() => message,
+                () = tokio::time::sleep_until(since + hold) => Some(Message::Release),
+            },
+        };
+        // Gone once the engine is: what is held is stored before the end.
+        let closed = first.is_none();
+        let mut release = closed;
+        let mut next = first;
         while let Some(message) = next.take() {
             match message {
                 Message::Event(event, mark) => {
                     marks.push((mark, event.seq));
                     batch.push(event);
                 }
-                Message::Unnumbered(event, hub) => unnumbered.push((event, hub)),
-                Message::Flush(waiter) => waiters.push(waiter),
+                Message::Unnumbered(event, hub) => {
+                    release = release || event.name.ends_turn() || hub.upgrade().is_some_and(|hub| hub.watched());
+                    unnumbered.push((event, hub));
+                }
+                Message::Release => release = true,
+                Message::Flush(waiter) => {
+                    release = true;
+                    waiters.push(waiter);
+                }
             }
             if batch.len() + unnumbered.len() < MAX_BATCH {
                 next = receiver.try_recv().ok();
+            } else {
+                release = true;
             }
         }
         if !batch.is_empty() {
@@ -107,10 +162,18 @@ async fn run(store: Arc<dyn Store>, mut receiver: mpsc::UnboundedReceiver<Messag
             batch.clear();
         }
         if !unnumbered.is_empty() {
-            number_and_publish(store.as_ref(), &closing, std::mem::take(&mut unnumbered)).await;
+            if release {
+                held_since = None;
+                number_and_publish(store.as_ref(), &closing, std::mem::take(&mut unnumbered)).await;
+            } else {
+                held_since.get_or_insert_with(tokio::time::Instant::now);
+            }
         }
         for waiter in waiters.drain(..) {
             let _ = waiter.send(());
+        }
+        if closed {
+            return;
         }
     }
 }
@@ -297,6 +360,112 @@ mod tests {
         drop(gone);
         // Its hub no longer waits for them, so it can leave memory.
         assert!(hubs[2].idle_since().is_some(), "the hub of a conversation that is gone still waits for its events");
+    }
+
+    /// A writer holding unwatched events for `hold`, hubs numbered by the
+    /// database for `ids`, and the store.
+    async fn holding(
+        folder: &std::path::Path,
+        ids: &[&str],
+        hold: Duration,
+    ) -> (EventWriter, Vec<Arc<crate::hub::Hub>>, Arc<dyn Store>) {
+        use crate::hub::{Hub, Numbering};
+        let store: Arc<dyn Store> = Arc::new(store_with(folder, ids).await);
+        let (writer, _task) = EventWriter::holding(store.clone(), CancellationToken::new(), hold);
+        let hubs = ids.iter().map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database)).collect();
+        (writer, hubs, store)
+    }
+
+    /// Waits (up to 5 s) until the store has `count` events of `conversation`.
+    async fn stored(store: &dyn Store, conversation: &str, count: i64) -> Duration {
+        let started = Instant::now();
+        while store.last_event_seq(conversation).await.expect("reads") < count {
+            assert!(started.elapsed() < Duration::from_secs(5), "{conversation}'s events were not stored");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        started.elapsed()
+    }
+
+    /// Nobody watches: a turn's events wait, and go with its end, in order.
+    #[tokio::test]
+    async fn unwatched_events_wait_for_the_end_of_their_turn() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let (_writer, hubs, store) = holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
+        let turn: Arc<str> = Arc::from("t1");
+        hubs[0].emit(Some(&turn), EventName::TurnStarted, &serde_json::json!({"n": 1}));
+        hubs[0].emit(Some(&turn), EventName::Delta, &serde_json::json!({"n": 2}));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(store.last_event_seq("c1").await.expect("reads"), 0, "stored before the turn ended");
+        hubs[0].emit(Some(&turn), EventName::Done, &serde_json::json!({"n": 3}));
+        stored(&*store, "c1", 3).await;
+        let events = store.events_after("c1", 0, 10).await.expect("reads");
+        let order: Vec<_> = events.iter().map(|event| (event.seq, event.name, &*event.data)).collect();
+        assert_eq!(
+            order,
+            [
+                (1, EventName::TurnStarted, r#"{"n":1}"#),
+                (2, EventName::Delta, r#"{"n":2}"#),
+                (3, EventName::Done, r#"{"n":3}"#)
+            ]
+        );
+        assert_eq!(hubs[0].last_published(), 3, "published once stored");
+    }
+
+    /// A watched conversation's events are stored (and so seen) at once;
+    /// a viewer that arrives releases what was held.
+    #[tokio::test]
+    async fn watched_events_are_stored_at_once() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let (_writer, hubs, store) = holding(folder.path(), &["c1", "c2"], Duration::from_secs(60)).await;
+        let mut viewer = hubs[0].subscribe_live().1.receiver;
+        hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 1}));
+        let seen = tokio::time::timeout(Duration::from_secs(5), viewer.recv()).await.expect("in time").expect("event");
+        assert_eq!((seen.seq, &*seen.data), (1, r#"{"n":1}"#));
+
+        hubs[1].emit(None, EventName::Delta, &serde_json::json!({"n": 1}));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(store.last_event_seq("c2").await.expect("reads"), 0, "stored though nobody watched");
+        let mut late = hubs[1].subscribe(0).receiver;
+        let seen = tokio::time::timeout(Duration::from_secs(5), late.recv()).await.expect("in time").expect("event");
+        assert_eq!((seen.seq, &*seen.conversation_id), (1, "c2"));
+    }
+
+    /// Held events are stored after the hold at the latest, and at once on
+    /// a flush (the engine's shutdown).
+    #[tokio::test]
+    async fn held_events_are_stored_after_the_hold_or_a_flush() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let hold = Duration::from_millis(150);
+        let (writer, hubs, store) = holding(folder.path(), &["c1"], hold).await;
+        hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 1}));
+        let took = stored(&*store, "c1", 1).await;
+        assert!(took >= hold - Duration::from_millis(10), "stored after {took:?}, within the hold");
+
+        drop(writer);
+        let folder = tempfile::tempdir().expect("temp dir");
+        let (writer_long, hubs, store) = holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
+        hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 2}));
+        writer_long.flush().await;
+        assert_eq!(store.last_event_seq("c1").await.expect("reads"), 1, "a flush left events held");
+    }
+
+    /// A JSON turn's caller drops its event stream at once: from then on
+    /// the conversation counts as unwatched (its events may be held), not
+    /// only after the next event finds the viewer gone.
+    #[tokio::test]
+    async fn a_dropped_stream_stops_watching_at_once() {
+        let folder = tempfile::tempdir().expect("temp dir");
+        let (_writer, hubs, store) = holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
+        let (last, subscription) = hubs[0].subscribe_live();
+        let stream =
+            crate::stream::follow(store.clone(), hubs[0].clone(), subscription, last, crate::stream::Until::Forever);
+        assert!(hubs[0].watched());
+        drop(stream);
+        let started = Instant::now();
+        while hubs[0].watched() {
+            assert!(started.elapsed() < Duration::from_secs(5), "still watched by a dropped stream");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     /// Makes every insert into the store's events fail until the trigger
