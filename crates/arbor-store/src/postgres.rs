@@ -33,6 +33,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (5, "event counter", include_str!("../migrations/postgres/0005_event_counter.sql")),
     (6, "abort function", include_str!("../migrations/postgres/0006_abort_function.sql")),
     (7, "events numbered together", include_str!("../migrations/postgres/0007_events_numbered_together.sql")),
+    (8, "event counters apart", include_str!("../migrations/postgres/0008_event_counters_apart.sql")),
 ];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
@@ -514,10 +515,12 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
 /// as `codec::number_events` numbers them). A conversation that is gone
 /// has no row, and its events are not stored.
 ///
-/// - Numbering: `arbor_number_events` (migration 7) moves each
-///   conversation's counter past its part of the batch, by key, in the
-///   order of $1 (sorted, so batches lock shared conversations alike). The
-///   `UPDATE` holds the row until the statement commits, so a concurrent
+/// - Numbering: `arbor_number_events` (migrations 7 and 8) moves each
+///   conversation's counter (its row of `event_counters`, not the
+///   conversation's row, which a turn's start and end update) past its part
+///   of the batch, by key, in the order of $1 (sorted, so batches lock
+///   shared counters alike). The upsert holds the counter until the
+///   statement commits, so a concurrent
 ///   batch (of any node) waits, then numbers from the counter as this one
 ///   left it (PostgreSQL re-reads a row updated meanwhile): numbers have no
 ///   holes and become visible in order. The counter starts from the highest
@@ -597,6 +600,10 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
 /// A row is changed at most once per statement in PostgreSQL, so the
 /// user's charge and the release of their reservation are one update; a
 /// reservation of another user (the engine makes none) is released apart.
+/// An unlimited user's row (no balance, nothing reserved given back) is
+/// not updated: its `NULL` would stay `NULL`, and the update's row lock,
+/// held through the commit's WAL flush, made every turn of one user (an
+/// application calling with one key) wait for the one before it.
 /// The head is found by the reply's conversation id as a value (`id =
 /// (SELECT …)`), not by joining the reply: planned while conversations was
 /// small, the join became a hash join over the whole table: every finished
@@ -634,10 +641,12 @@ const FINISH_TURN: &str = concat!(
      charged AS (UPDATE users SET balance_credits = balance_credits - $34, \
        reserved_credits = GREATEST(users.reserved_credits \
          - COALESCE((SELECT sum(gone.credits) FROM gone WHERE gone.user_id = users.id), 0), 0) \
-       WHERE id = $21 RETURNING balance_credits), \
+       WHERE id = $21 AND (balance_credits IS NOT NULL \
+         OR EXISTS (SELECT 1 FROM gone WHERE gone.user_id = users.id)) RETURNING balance_credits), \
+     payer AS (SELECT 1 FROM users WHERE id = $21), \
      entry AS (INSERT INTO cost_ledger (",
     ledger_columns!(),
-    ") SELECT $18, $21, $18, $34, balance_credits, $35 FROM charged RETURNING 1), \
+    ") SELECT $18, $21, $18, $34, (SELECT balance_credits FROM charged), $35 FROM payer RETURNING 1), \
      head AS (UPDATE conversations SET head_id = (SELECT id FROM reply), head_version = head_version + 1, \
        updated_at = $36 WHERE id = (SELECT conversation_id FROM reply) RETURNING head_version), \
      finished AS (UPDATE turns SET status = $37, model = $38, iterations = $39, input_tokens = $40, \
@@ -645,7 +654,7 @@ const FINISH_TURN: &str = concat!(
        cache_write_tokens = $44, cost_micro_usd = $45, reply_message_id = $46, \
        error_code = $47, error_message = $48, started_at = $49, finished_at = $50, \
        pending_messages = $51 WHERE conversation_id = $52 AND id = $53 RETURNING 1) \
-     SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM charged) OR NOT EXISTS (SELECT 1 FROM finished) \
+     SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM payer) OR NOT EXISTS (SELECT 1 FROM finished) \
          OR (cardinality($1::text[]) > 0 AND NOT EXISTS (SELECT 1 FROM head)) \
          THEN arbor_abort('the user, the reply''s conversation or the turn is gone') END, \
        (SELECT balance_credits FROM charged), (SELECT head_version FROM head), \

@@ -264,6 +264,7 @@ stories!(
     story_a_large_tree_loads_whole,
     story_queued_turns_keep_their_messages,
     story_finish_turn_writes_everything_at_once,
+    story_finish_turn_of_an_unlimited_user,
     story_finish_turn_of_a_missing_turn_keeps_nothing,
     story_start_turn_is_all_or_nothing,
     story_start_turn_reserves_credits,
@@ -1333,6 +1334,46 @@ async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
 
     // A second running turn may start now: the slot was freed in the same commit.
     store.insert_turn(&turn("c1", "t2", TurnStatus::Running, 70)).await.expect("slot free");
+}
+
+/// An unlimited user's turn is charged in the ledger (no balance after),
+/// and their balance stays unlimited; a hold taken while they were limited
+/// is still given back.
+async fn story_finish_turn_of_an_unlimited_user(store: Arc<dyn Store>) {
+    alice_with_conversation(store.as_ref(), None).await;
+    store.append_messages(&[node("c1", "u1", None, Message::user("hi"))], 20).await.expect("user message");
+    let mut running = turn("c1", "t1", TurnStatus::Running, 30);
+    store.insert_turn(&running).await.expect("running");
+    running.status = TurnStatus::Succeeded;
+    running.reply_message_id = Some("a1".into());
+    running.finished_at = Some(50);
+    let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let (entry, head_version) = store
+        .finish_turn(&running, &call("k1", "alice", "c1", "t1", 250), Some(&reply), None, 60)
+        .await
+        .expect("finished");
+    assert_eq!((entry.credits, entry.balance_after), (250, None));
+    assert!(head_version.is_some());
+    assert_eq!(store.ledger("alice", 10).await.expect("ledger"), vec![entry]);
+    assert_eq!(balance(&*store, "alice").await, None);
+    assert_eq!(store.available_credits("alice").await.expect("read"), None);
+
+    // Limited when the hold was taken, unlimited when the turn ends.
+    store.set_balance("alice", Some(1_000)).await.expect("limit");
+    store.append_messages(&[node("c1", "u2", Some("a1"), Message::user("again"))], 70).await.expect("message");
+    let mut second = turn("c1", "t2", TurnStatus::Running, 80);
+    store.insert_turn(&second).await.expect("running");
+    store.reserve_credits(&reservation("r2", "alice", 600, 10_000)).await.expect("reserve");
+    store.set_balance("alice", None).await.expect("unlimit");
+    second.status = TurnStatus::Succeeded;
+    second.finished_at = Some(90);
+    let (entry, _) = store
+        .finish_turn(&second, &call("k2", "alice", "c1", "t2", 100), None, Some("r2"), 95)
+        .await
+        .expect("finished");
+    assert_eq!(entry.balance_after, None);
+    store.set_balance("alice", Some(1_000)).await.expect("limit again");
+    assert_eq!(store.available_credits("alice").await.expect("read"), Some(1_000), "the hold was not given back");
 }
 
 /// Finishing a turn the store does not have fails whole: no reply, call,
