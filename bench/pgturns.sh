@@ -8,6 +8,7 @@
 # trips a turn costs). Alternate two builds to compare them. It also prints
 # what PostgreSQL spent per turn (bench/pgcost.py: its CPU, commits, WAL
 # and rows by table).
+# With KEEP=keep its work folder (Arbor's log in stderr) is left in /tmp.
 #
 #   bench/pgturns.sh [ARBOR_BIN] [RATE] [--stream]   # defaults: the release build, 20
 #
