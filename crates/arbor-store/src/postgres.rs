@@ -34,6 +34,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (6, "abort function", include_str!("../migrations/postgres/0006_abort_function.sql")),
     (7, "events numbered together", include_str!("../migrations/postgres/0007_events_numbered_together.sql")),
     (8, "event counters apart", include_str!("../migrations/postgres/0008_event_counters_apart.sql")),
+    (9, "counters never behind", include_str!("../migrations/postgres/0009_counters_never_behind.sql")),
 ];
 
 /// Connections per node. PostgreSQL's default limit is 100 connections in
@@ -515,7 +516,7 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
 /// as `codec::number_events` numbers them). A conversation that is gone
 /// has no row, and its events are not stored.
 ///
-/// - Numbering: `arbor_number_events` (migrations 7 and 8) moves each
+/// - Numbering: `arbor_number_events` (migrations 7 to 9) moves each
 ///   conversation's counter (its row of `event_counters`, not the
 ///   conversation's row, which a turn's start and end update) past its part
 ///   of the batch, by key, in the order of $1 (sorted, so batches lock
@@ -523,9 +524,10 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
 ///   statement commits, so a concurrent
 ///   batch (of any node) waits, then numbers from the counter as this one
 ///   left it (PostgreSQL re-reads a row updated meanwhile): numbers have no
-///   holes and become visible in order. The counter starts from the highest
-///   stored number when that is larger (events stored before migration 5,
-///   or already numbered by `append_events`).
+///   holes and become visible in order. A counter is never behind its
+///   conversation's stored events (`append_events` moves it too), so the
+///   highest stored number is read only when a conversation's counter is
+///   made, and an existing counter also says the conversation exists.
 /// - Durability: events are not waited on (viewers have them once
 ///   numbered), so the commit does not wait for the WAL flush
 ///   (`synchronous_commit` off for this transaction). WAL is flushed in
@@ -573,12 +575,19 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
     // `Store::append_events`). A deletion that commits between this check
     // and the row's foreign key check still fails the batch (`NotFound`);
     // the event writer's retry then leaves that conversation out.
+    // The counters move past what is stored, so that events numbered by
+    // the database later come after these (migration 9: a counter is never
+    // behind its conversation's events).
     sqlx::query(concat!(
-        "INSERT INTO events (",
+        "WITH stored AS (INSERT INTO events (",
         event_columns!(),
         ") SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::text[], $4::text[], \
          $5::text[], $6::bigint[]) AS batch (conversation_id, seq, turn_id, name, data, created_at) \
-         WHERE EXISTS (SELECT 1 FROM conversations WHERE conversations.id = batch.conversation_id)"
+         WHERE EXISTS (SELECT 1 FROM conversations WHERE conversations.id = batch.conversation_id) \
+         RETURNING conversation_id, seq) \
+         INSERT INTO event_counters AS counter (conversation_id, seq) \
+         SELECT conversation_id, MAX(seq) FROM stored GROUP BY conversation_id \
+         ON CONFLICT (conversation_id) DO UPDATE SET seq = GREATEST(counter.seq, EXCLUDED.seq)"
     ))
     .bind(conversation_ids)
     .bind(seqs)
@@ -968,15 +977,29 @@ impl Store for PostgresStore {
 
     async fn delete_conversation(&self, owner_id: &str, conversation_id: &str) -> StoreResult<()> {
         // Messages, turns and events go with it (ON DELETE CASCADE); api
-        // calls and the ledger stay, as billing history.
+        // calls and the ledger stay, as billing history. The event counter
+        // goes first, in a statement of its own: an event batch locks the
+        // counter and then (checking its events' foreign key) the
+        // conversation, so a deletion that locked the conversation first
+        // and then waited for the counter could deadlock with it.
+        let mut tx = self.begin().await?;
+        sqlx::query(
+            "DELETE FROM event_counters WHERE conversation_id = $2 \
+             AND EXISTS (SELECT 1 FROM conversations WHERE owner_id = $1 AND id = $2)",
+        )
+        .bind(owner_id)
+        .bind(conversation_id)
+        .execute(&mut *tx)
+        .await?;
         let result = sqlx::query("DELETE FROM conversations WHERE owner_id = $1 AND id = $2")
             .bind(owner_id)
             .bind(conversation_id)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
         if result.rows_affected() == 0 {
             return Err(StoreError::NotFound);
         }
+        tx.commit().await?;
         Ok(())
     }
 

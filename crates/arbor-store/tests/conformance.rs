@@ -179,6 +179,7 @@ pair_stories!(
     story_one_node_takes_over_an_expired_turn,
     story_both_nodes_see_every_write,
     story_numbered_events_have_no_gaps,
+    story_a_deletion_racing_event_batches_is_clean,
 );
 
 /// Notices cross processes only through PostgreSQL; SQLite's stay in the
@@ -1201,6 +1202,32 @@ async fn story_events_numbered_by_the_store(store: Arc<dyn Store>) {
     assert_eq!(store.events_after("c1", 4, 10).await.expect("read"), [stored[1].clone(), stored[3].clone()]);
     assert_eq!(store.events_after("c2", 0, 10).await.expect("read"), [stored[0].clone(), stored[2].clone()]);
     assert!(store.events_after("c404", 0, 10).await.expect("read").is_empty());
+}
+
+/// A conversation deleted on one node while the other stores its events
+/// (its first batch, or a later one): the deletion succeeds and the batch
+/// either leaves the conversation out or fails as `NotFound` (the event
+/// writer then retries without it), never a deadlock or another error;
+/// another conversation in the batch keeps its events.
+async fn story_a_deletion_racing_event_batches_is_clean(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
+    alice_with_conversation(&*node_a, None).await;
+    for round in 0..40 {
+        let id = format!("gone{round}");
+        node_a.create_conversation(&conversation("alice", &id, 100 + round)).await.expect("create");
+        if round % 2 == 1 {
+            node_a.append_events_numbered(&[event(&id, 0, "{}")]).await.expect("first batch");
+        }
+        let batch = [event(&id, 0, "{}"), event("c1", 0, "{}"), event(&id, 0, "{}")];
+        let (deleted, stored) =
+            tokio::join!(node_a.delete_conversation("alice", &id), node_b.append_events_numbered(&batch));
+        deleted.expect("the deletion succeeds");
+        match stored {
+            Ok(stored) => assert!(stored.iter().any(|e| &*e.conversation_id == "c1"), "c1's event was left out"),
+            Err(StoreError::NotFound) => {}
+            Err(error) => panic!("round {round}: the batch failed with {error}"),
+        }
+        assert!(node_b.events_after(&id, 0, 10).await.expect("read").is_empty(), "events outlived their conversation");
+    }
 }
 
 async fn story_numbered_events_have_no_gaps(node_a: Arc<dyn Store>, node_b: Arc<dyn Store>) {
