@@ -520,8 +520,9 @@ async fn release(tx: &mut Transaction<'static, Postgres>, reservation_id: &str) 
 ///   conversation's counter (its row of `event_counters`, not the
 ///   conversation's row, which a turn's start and end update) past its part
 ///   of the batch, by key, in the order of $1 (sorted, so batches lock
-///   shared counters alike). The upsert holds the counter until the
-///   statement commits, so a concurrent
+///   shared counters alike). The update (for a conversation's first batch,
+///   the insert) holds the counter until the statement commits, so a
+///   concurrent
 ///   batch (of any node) waits, then numbers from the counter as this one
 ///   left it (PostgreSQL re-reads a row updated meanwhile): numbers have no
 ///   holes and become visible in order. A counter is never behind its
