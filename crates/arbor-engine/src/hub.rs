@@ -405,7 +405,7 @@ impl Hub {
     /// emitted before the subscription.
     pub(crate) fn subscribe_live(&self) -> (i64, Subscription) {
         let mut state = self.lock();
-        let receiver = self.viewer(&mut state);
+        let receiver = self.add_viewer(&mut state);
         let last = state.next_seq - 1;
         (last, Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver })
     }
@@ -413,7 +413,7 @@ impl Hub {
     /// Subscribes a viewer that has seen everything up to `after`.
     pub(crate) fn subscribe(&self, after: i64) -> Subscription {
         let mut state = self.lock();
-        let receiver = self.viewer(&mut state);
+        let receiver = self.add_viewer(&mut state);
         let memory_from = state.recent.front().map_or(state.next_seq, |oldest| oldest.seq);
         let backlog = state.recent.iter().filter(|event| event.seq > after).cloned().collect();
         Subscription { backlog, memory_from, receiver }
@@ -421,7 +421,7 @@ impl Hub {
 
     /// A new viewer's receiver. Events the writer holds because nobody
     /// watched are stored (and so published) now, not after its hold.
-    fn viewer(&self, state: &mut HubState) -> broadcast::Receiver<Event> {
+    fn add_viewer(&self, state: &mut HubState) -> broadcast::Receiver<Event> {
         if state.unnumbered > 0 {
             self.writer.release();
         }

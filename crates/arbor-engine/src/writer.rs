@@ -364,7 +364,7 @@ mod tests {
 
     /// A writer holding unwatched events for `hold`, hubs numbered by the
     /// database for `ids`, and the store.
-    async fn holding(
+    async fn writer_holding(
         folder: &std::path::Path,
         ids: &[&str],
         hold: Duration,
@@ -390,7 +390,7 @@ mod tests {
     #[tokio::test]
     async fn unwatched_events_wait_for_the_end_of_their_turn() {
         let folder = tempfile::tempdir().expect("temp dir");
-        let (_writer, hubs, store) = holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
+        let (_writer, hubs, store) = writer_holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
         let turn: Arc<str> = Arc::from("t1");
         hubs[0].emit(Some(&turn), EventName::TurnStarted, &serde_json::json!({"n": 1}));
         hubs[0].emit(Some(&turn), EventName::Delta, &serde_json::json!({"n": 2}));
@@ -416,7 +416,7 @@ mod tests {
     #[tokio::test]
     async fn watched_events_are_stored_at_once() {
         let folder = tempfile::tempdir().expect("temp dir");
-        let (_writer, hubs, store) = holding(folder.path(), &["c1", "c2"], Duration::from_secs(60)).await;
+        let (_writer, hubs, store) = writer_holding(folder.path(), &["c1", "c2"], Duration::from_secs(60)).await;
         let mut viewer = hubs[0].subscribe_live().1.receiver;
         hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 1}));
         let seen = tokio::time::timeout(Duration::from_secs(5), viewer.recv()).await.expect("in time").expect("event");
@@ -436,14 +436,14 @@ mod tests {
     async fn held_events_are_stored_after_the_hold_or_a_flush() {
         let folder = tempfile::tempdir().expect("temp dir");
         let hold = Duration::from_millis(150);
-        let (writer, hubs, store) = holding(folder.path(), &["c1"], hold).await;
+        let (writer, hubs, store) = writer_holding(folder.path(), &["c1"], hold).await;
         hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 1}));
         let took = stored(&*store, "c1", 1).await;
         assert!(took >= hold - Duration::from_millis(10), "stored after {took:?}, within the hold");
 
         drop(writer);
         let folder = tempfile::tempdir().expect("temp dir");
-        let (writer_long, hubs, store) = holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
+        let (writer_long, hubs, store) = writer_holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
         hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 2}));
         writer_long.flush().await;
         assert_eq!(store.last_event_seq("c1").await.expect("reads"), 1, "a flush left events held");
@@ -455,7 +455,7 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_stream_stops_watching_at_once() {
         let folder = tempfile::tempdir().expect("temp dir");
-        let (_writer, hubs, store) = holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
+        let (_writer, hubs, store) = writer_holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
         let (last, subscription) = hubs[0].subscribe_live();
         let stream =
             crate::stream::follow(store.clone(), hubs[0].clone(), subscription, last, crate::stream::Until::Forever);

@@ -211,17 +211,19 @@ pub trait Store: Send + Sync + 'static {
     /// deleted with it; a turn cancelled by the deletion still reports its
     /// end), and the rest of the batch, other conversations' events, is
     /// stored: one deleted conversation must not cost the others theirs.
+    /// Events numbered by the store later ([`Store::append_events_numbered`])
+    /// come after these.
     async fn append_events(&self, events: &[Event]) -> StoreResult<()>;
     /// Appends events numbered by the database, of one conversation or
     /// several, in one transaction: each conversation's after its highest
-    /// stored `seq`, in the order given, holding the conversation until the
-    /// commit. Whichever node writes, numbers have no holes and become
-    /// visible in order, so a client resuming after `n` can never skip an
-    /// event committed later under a smaller number. The given `seq` values
-    /// are ignored; the events are returned as stored, in the order given.
-    /// Events of a conversation that does not exist are left out (as in
-    /// [`Store::append_events`]), and the others stored. Each
-    /// conversation's part is announced to the other nodes' listeners with
+    /// stored `seq`, in the order given, holding the conversation's
+    /// numbering until the commit. Whichever node writes, numbers have no
+    /// holes and become visible in order, so a client resuming after `n`
+    /// can never skip an event committed later under a smaller number. The
+    /// given `seq` values are ignored; the events are returned as stored,
+    /// in the order given. Events of a conversation that does not exist are
+    /// left out (as in [`Store::append_events`]), and the others stored.
+    /// Each conversation's part is announced to the other nodes' listeners with
     /// the commit ([`Notice::Events`] up to its last number), as
     /// [`Store::notify`] would, without a round trip of its own; this
     /// store's own listeners do not get it (the caller has the events).

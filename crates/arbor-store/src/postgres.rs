@@ -575,9 +575,9 @@ async fn insert_events(connection: &mut PgConnection, events: &[Event]) -> Store
     // Events of a conversation that no longer exists are left out (see
     // `Store::append_events`). A deletion that commits between this check
     // and the row's foreign key check still fails the batch (`NotFound`);
-    // the event writer's retry then leaves that conversation out.
-    // The counters move past what is stored, so that events numbered by
-    // the database later come after these (migration 9: a counter is never
+    // the event writer's retry then leaves that conversation out. The
+    // counters move past what is stored, so that events numbered by the
+    // database later come after these (migration 9: a counter is never
     // behind its conversation's events).
     sqlx::query(concat!(
         "WITH stored AS (INSERT INTO events (",
