@@ -284,8 +284,13 @@ at_2000 = point("S1", 2000, "sqlite")
 if at_2000:
     value = s1_overhead_p99(2000)
     met = at_2000.all_ok and under_goal(at_2000, value)
+    split = ""
+    if at_2000.get("header_store_wait_us", "p99") is not None:
+        split = (f" (of which the wait for the two durable writes p99 "
+                 f"{us(at_2000.get('header_store_wait_us', 'p99'))}, the rest p99 "
+                 f"{us(at_2000.get('header_rest_us', 'p99'))})")
     w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | at 2,000/s: "
-      f"p99 overhead {us(value)}, {success_text(at_2000)}, Arbor's own p99 {us(own_overhead(at_2000, 'p99'))}; "
+      f"p99 overhead {us(value)}, {success_text(at_2000)}, Arbor's own p99 {us(own_overhead(at_2000, 'p99'))}{split}; "
       f"{knee_text}; highest rate sustained: {sustained_text} | {'yes' if met else '**no**'} |")
 elif s1_rates:
     w(f"| full stateful turn adds p99 < 1 ms at ≥ 2,000 turns/s (S1, 0 ms mock) | not reached: Arbor saturated at "
@@ -433,11 +438,16 @@ w("")
 w("JSON mode (`POST /v1/conversations/{id}/messages`, no `Accept: text/event-stream`): the client waits "
   "for the finished turn. Each turn persists the user message, the turn, the assistant message, the "
   "`api_calls` and `cost_ledger` rows and the turn's events. Direct = the same request body straight to "
-  "the mock's `/v1/chat/completions`. CPU is Arbor's user+system time over the run.")
+  "the mock's `/v1/chat/completions`. CPU is Arbor's user+system time over the run. *Header* is "
+  "Arbor's own measure of each turn's time outside the provider call (`x-arbor-overhead-us`); *store "
+  "wait* is the part of it spent waiting for the turn's two durable writes (`x-arbor-store-wait-us`: "
+  "its start, before the call, and its end, before the answer); *the rest* is each turn's header "
+  "minus its store wait: Arbor's own work on the turn and its waits for the CPU.")
 w("")
 w("| rate | achieved | success | direct p50 / p99 | Arbor p50 / p95 / p99 | overhead p50 / p99 "
-  "| header p50 / p99 | metric p50 / p99 | Arbor CPU | CPU per turn | peak RSS |")
-w("|---|---|---|---|---|---|---|---|---|---|---|")
+  "| header p50 / p99 | store wait p50 / p99 | the rest p50 / p99 | metric p50 / p99 | Arbor CPU "
+  "| CPU per turn | peak RSS |")
+w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for rate in s1_rates:
     p = point("S1", rate, "sqlite")
     base = point("S0", rate)
@@ -446,6 +456,8 @@ for rate in s1_rates:
       f"| {us(p.get('latency_us', 'p50'))} / {us(p.get('latency_us', 'p95'))} / {us(p.get('latency_us', 'p99'))} "
       f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
       f"| {pair(p.get('header_overhead_us', 'p50'), p.get('header_overhead_us', 'p99'))} "
+      f"| {pair(p.get('header_store_wait_us', 'p50'), p.get('header_store_wait_us', 'p99'))} "
+      f"| {pair(p.get('header_rest_us', 'p50'), p.get('header_rest_us', 'p99'))} "
       f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
       f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} "
       f"| {mib(p.get('server_peak_rss_kib'))} |")

@@ -130,6 +130,12 @@ struct RunReport {
     delta_gap_us: Option<Summary>,
     /// Arbor's `x-arbor-overhead-us` header (JSON mode).
     header_overhead_us: Option<Summary>,
+    /// Of that, `x-arbor-store-wait-us`: the wait for the turn's start and
+    /// end to be stored (JSON mode).
+    header_store_wait_us: Option<Summary>,
+    /// Each turn's overhead minus its store wait: Arbor's work and the
+    /// turn's waits for the CPU (JSON mode).
+    header_rest_us: Option<Summary>,
     /// Arbor's `arbor_turn_overhead_seconds` histogram over the run
     /// (bucket-interpolated p50, p99), any mode.
     metric_overhead_us: Option<[u64; 2]>,
@@ -151,6 +157,7 @@ struct Sample {
     first_delta: Option<Duration>,
     delta_gaps: Vec<Duration>,
     header_overhead_us: Option<u64>,
+    header_store_wait_us: Option<u64>,
     late: bool,
     waited: bool,
 }
@@ -167,6 +174,8 @@ struct Recorder {
     first_delta: Micros,
     delta_gap: Micros,
     header_overhead: Micros,
+    header_store_wait: Micros,
+    header_rest: Micros,
 }
 
 impl Recorder {
@@ -191,6 +200,12 @@ impl Recorder {
         }
         if let Some(micros) = sample.header_overhead_us {
             self.header_overhead.record_micros(micros);
+        }
+        if let Some(micros) = sample.header_store_wait_us {
+            self.header_store_wait.record_micros(micros);
+            if let Some(overhead) = sample.header_overhead_us {
+                self.header_rest.record_micros(overhead.saturating_sub(micros));
+            }
         }
     }
 }
@@ -300,6 +315,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
             first_delta_us: recorder.first_delta.summary(),
             delta_gap_us: recorder.delta_gap.summary(),
             header_overhead_us: recorder.header_overhead.summary(),
+            header_store_wait_us: recorder.header_store_wait.summary(),
+            header_rest_us: recorder.header_rest.summary(),
             metric_overhead_us: metrics_before
                 .zip(metrics_after)
                 .and_then(|(before, after)| stats::bucket_quantiles(&before, &after, &[0.5, 0.99]))
@@ -331,7 +348,7 @@ fn print_summary(report: &RunReport) {
         summary.map_or_else(|| "-".to_string(), |summary| format!("p50 {} p99 {}", summary.p50, summary.p99))
     };
     eprintln!(
-        "[{} {}{} {} rps] run {}: {}/{} ok, {:.0} rps, latency µs {}, ttft µs {}, header overhead µs {}, metric overhead µs {:?}, peak rss {:?} KiB, errors {:?}",
+        "[{} {}{} {} rps] run {}: {}/{} ok, {:.0} rps, latency µs {}, ttft µs {}, header overhead µs {} (store wait {}, the rest {}), metric overhead µs {:?}, peak rss {:?} KiB, errors {:?}",
         report.scenario,
         target_name(report.target),
         if report.stream { " stream" } else { "" },
@@ -343,6 +360,8 @@ fn print_summary(report: &RunReport) {
         percentiles(&report.latency_us),
         percentiles(&report.first_delta_us),
         percentiles(&report.header_overhead_us),
+        percentiles(&report.header_store_wait_us),
+        percentiles(&report.header_rest_us),
         report.metric_overhead_us,
         report.server_peak_rss_kib,
         report.errors,
@@ -496,13 +515,13 @@ async fn call(shared: &Shared, conversation: &str, scheduled: Instant) -> Sample
         return failed(format!("http {}", status.as_u16()));
     }
     if !args.stream {
-        let header_overhead_us = response
-            .headers()
-            .get("x-arbor-overhead-us")
-            .and_then(|value| value.to_str().ok())
-            .and_then(|text| text.parse().ok());
+        let micros = |name: &str| response.headers().get(name)?.to_str().ok()?.parse().ok();
+        let header_overhead_us = micros("x-arbor-overhead-us");
+        let header_store_wait_us = micros("x-arbor-store-wait-us");
         return match response.bytes().await {
-            Ok(_) => Sample { latency: scheduled.elapsed(), header_overhead_us, ..Sample::default() },
+            Ok(_) => {
+                Sample { latency: scheduled.elapsed(), header_overhead_us, header_store_wait_us, ..Sample::default() }
+            }
             Err(error) => failed(classify(&error)),
         };
     }

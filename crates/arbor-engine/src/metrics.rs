@@ -63,6 +63,8 @@ impl Histogram {
 pub struct Metrics {
     /// Turn time outside provider calls.
     pub turn_overhead: Histogram,
+    /// Of that, waiting for a turn's start and end to be stored.
+    pub turn_store_wait: Histogram,
     /// Whole turns, from accepted to recorded.
     pub turn_duration: Histogram,
     pub turns_succeeded: AtomicU64,
@@ -77,6 +79,11 @@ impl Metrics {
         self.turn_overhead.render(
             "arbor_turn_overhead_seconds",
             "Time a turn spent outside provider calls (Arbor's own cost).",
+            &mut out,
+        );
+        self.turn_store_wait.render(
+            "arbor_turn_store_wait_seconds",
+            "Of a turn's own time, the wait for its start and its end to be stored (durable writes).",
             &mut out,
         );
         self.turn_duration.render("arbor_turn_duration_seconds", "Whole turns, from accepted to recorded.", &mut out);

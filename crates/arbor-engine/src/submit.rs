@@ -81,6 +81,19 @@ impl Submitted {
     }
 }
 
+/// A turn that holds the slot, with its messages recorded.
+struct Prepared {
+    turn: Turn,
+    /// The messages recorded with it.
+    nodes: Vec<Node>,
+    /// The conversation's head version after them.
+    head_version: i64,
+    /// What is held for its first call.
+    hold: Hold,
+    /// How long recording it took.
+    store_wait: std::time::Duration,
+}
+
 /// Messages a view or simple submit adds, and where they hang.
 struct NewMessages {
     parent: Option<String>,
@@ -551,7 +564,7 @@ impl Inner {
         queued: QueuedTurn,
     ) -> Result<(), (EngineError, Box<QueuedTurn>)> {
         let prepared = self.prepare_launch(&hub, &conversation, &queued).await;
-        let (turn, nodes, head_version, hold) = match prepared {
+        let Prepared { turn, nodes, head_version, hold, store_wait } = match prepared {
             Ok(prepared) => prepared,
             Err(error) => return Err((error, Box::new(queued))),
         };
@@ -580,21 +593,21 @@ impl Inner {
         let task =
             TurnTask::new(self.clone(), hub, user, conversation, turn, turn_id, model, cancel, outcome, deadline)
                 .holding(hold)
-                .accepted_at(accepted);
+                .accepted_at(accepted)
+                .started_in(store_wait);
         self.tracker.spawn(task.run());
         Ok(())
     }
 
     /// Records the turn's messages (durable before any model call) and its
     /// row as running, holding a limited user's credits for the call in the
-    /// same commit. Returns the turn, its messages, the head version and
-    /// what is held.
+    /// same commit.
     async fn prepare_launch(
         &self,
         hub: &Hub,
         conversation: &Conversation,
         queued: &QueuedTurn,
-    ) -> EngineResult<(Turn, Vec<Node>, i64, Hold)> {
+    ) -> EngineResult<Prepared> {
         let nodes = chain(queued, conversation);
         let mut turn = queued.turn.clone();
         if let Some(last) = nodes.last() {
@@ -628,8 +641,10 @@ impl Inner {
             .config
             .shared
             .then(|| (self.node_id.as_str(), now_millis() + self.config.turn_lease.as_millis() as i64));
+        let starting = std::time::Instant::now();
         let started =
             self.store.start_turn(&turn, &nodes, queued.waited, now_millis(), reservation.as_ref(), lease).await;
+        let store_wait = starting.elapsed();
         let (head_version, hold) = match started {
             Ok(TurnStarted { head_version, reserved }) => (head_version, Hold::of(reservation.zip(reserved))),
             Err(StoreError::Conflict(_)) => {
@@ -647,7 +662,7 @@ impl Inner {
             hub.set_reply_parent(&turn.id, &last.id);
             hub.advance_tree(conversation.head_version, head_version, &nodes);
         }
-        Ok((turn, nodes, head_version, hold))
+        Ok(Prepared { turn, nodes, head_version, hold, store_wait })
     }
 
     /// The reservation for a limited user's first call of `turn`: its input
@@ -751,6 +766,7 @@ impl Inner {
                         reply: None,
                         head_version: conversation_head_version(&self.store, &hub.conversation_id, &owner_id).await,
                         overhead: Default::default(),
+                        store_wait: Default::default(),
                     }));
                     match following {
                         Some(following) => next = following,
@@ -791,6 +807,7 @@ impl Inner {
             reply: None,
             head_version: conversation.head_version,
             overhead: Default::default(),
+            store_wait: Default::default(),
         }));
         Ok(turn)
     }

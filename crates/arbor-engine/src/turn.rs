@@ -98,6 +98,10 @@ pub struct TurnOutcome {
     pub head_version: i64,
     /// Time the turn spent outside provider calls: what Arbor added.
     pub overhead: std::time::Duration,
+    /// Of `overhead`, the time it waited for the writes it must wait for:
+    /// its start (the user's message, durable before the call) and its end
+    /// (the finished turn, durable before the answer).
+    pub store_wait: std::time::Duration,
 }
 
 /// Why a model call stopped before the provider finished it.
@@ -129,6 +133,8 @@ pub(crate) struct TurnTask {
     accepted: Instant,
     /// Time spent inside provider calls.
     upstream: std::time::Duration,
+    /// Time spent waiting for the turn's start and end to be stored.
+    store_wait: std::time::Duration,
     /// Credits held for the call (the user's spending is limited).
     hold: Hold,
     /// Whether the finished turn is stored (with its last call).
@@ -179,6 +185,7 @@ impl TurnTask {
             retry_after_secs: None,
             accepted: Instant::now(),
             upstream: std::time::Duration::ZERO,
+            store_wait: std::time::Duration::ZERO,
             hold: Hold::Unlimited,
             recorded: false,
         }
@@ -193,6 +200,12 @@ impl TurnTask {
     /// measured covers recording the user's message and claiming the slot.
     pub(crate) fn accepted_at(mut self, accepted: Instant) -> TurnTask {
         self.accepted = accepted;
+        self
+    }
+
+    /// How long recording the turn's start took (before this task).
+    pub(crate) fn started_in(mut self, waited: std::time::Duration) -> TurnTask {
+        self.store_wait = waited;
         self
     }
 
@@ -248,6 +261,7 @@ impl TurnTask {
         let overhead = total.saturating_sub(self.upstream);
         let metrics = &self.inner.metrics;
         metrics.turn_overhead.observe(overhead);
+        metrics.turn_store_wait.observe(self.store_wait);
         metrics.turn_duration.observe(total);
         let counter =
             if self.turn.status == TurnStatus::Succeeded { &metrics.turns_succeeded } else { &metrics.turns_failed };
@@ -257,6 +271,7 @@ impl TurnTask {
             reply,
             head_version: self.conversation.head_version,
             overhead,
+            store_wait: self.store_wait,
         }));
         if let Some(next) = next {
             // The engine's launcher starts it: a turn task that launched the
@@ -447,8 +462,10 @@ impl TurnTask {
         self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
         let now = now_millis();
         self.turn.finished_at = Some(now);
+        let finishing = Instant::now();
         let (_, head_version) =
             self.inner.store.finish_turn(&self.turn, &call, reply.as_ref(), reservation.as_deref(), now).await?;
+        self.store_wait += finishing.elapsed();
         self.recorded = true;
         if let (Some(reply), Some(head_version)) = (&reply, head_version) {
             let before = self.conversation.head_version;

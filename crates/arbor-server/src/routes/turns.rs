@@ -202,8 +202,12 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
         turn: views::turn(&outcome.turn),
         message: outcome.reply.as_ref().map(views::leaf),
     };
-    // Arbor's own share of the turn's time, for callers measuring overhead.
-    let overhead = [("x-arbor-overhead-us", outcome.overhead.as_micros().to_string())];
+    // Arbor's own share of the turn's time, and of that the wait for its
+    // durable writes, for callers measuring overhead.
+    let overhead = [
+        ("x-arbor-overhead-us", outcome.overhead.as_micros().to_string()),
+        ("x-arbor-store-wait-us", outcome.store_wait.as_micros().to_string()),
+    ];
     let Some(code) = outcome.turn.error_code.as_deref() else {
         return (StatusCode::OK, overhead, axum::Json(body)).into_response();
     };
