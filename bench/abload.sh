@@ -7,6 +7,9 @@
 #
 #   bench/abload.sh [ARBOR_BIN] [RATE] [SECONDS]    # defaults: the release build, 500, 15
 #
+# AFTER_START is a shell command run once Arbor answers, with ARBOR_PID set
+# (an experiment's setup, as in threadstat.sh).
+#
 # Needs a release build (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,6 +20,7 @@ SECONDS_MEASURED=${3:-15}
 source "$ROOT/bench/common.sh"
 open_work abload
 start_pair0 "$ARBOR_BIN"
+if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 2 --runs 1 --scenario abload >"$WORK/load.log" 2>&1
 grep -o 'run 1: .*' "$WORK/load.log"
