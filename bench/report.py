@@ -310,15 +310,22 @@ if s2_3000:
     # Sustained as the runner judges it (median under 100 ms on the 60 ms
     # mock); past that the RSS is the backlog's, not the load's.
     kept_up = (s2_3000.get("latency_us", "p50") or 0) < 100_000
-    met = peak is not None and peak < RSS_GOAL_KIB and s2_3000.all_ok and kept_up
+    # Every run under the goal, not only the median: one run over it means
+    # the rate does not fit in the memory reliably.
+    run_peaks = [run["server_peak_rss_kib"] for run in s2_3000.runs if run.get("server_peak_rss_kib") is not None]
+    highest = max(run_peaks) if run_peaks else None
+    met = highest is not None and highest < RSS_GOAL_KIB and s2_3000.all_ok and kept_up
     below = sustained("S2", "sqlite", limit_us=100_000)
     below_text = ""
     if not kept_up and below:
         below_text = (f"; at {rate_text(below)}/s, the highest rate it sustained: "
                       f"{mib(point('S2', below, 'sqlite').get('server_peak_rss_kib'))}")
     queued_text = "" if kept_up else f", median latency {us(s2_3000.get('latency_us', 'p50'))} (queued)"
-    w(f"| < 100 MB RSS at 3,000 requests/s (S2, 60 ms mock) | peak {mib(peak)} ({peak * 1024 / 1e6:.0f} MB), "
-      f"achieved {achieved:.0f}/s, {success_text(s2_3000)}{queued_text}{below_text} | {'yes' if met else '**no**'} |")
+    highest_text = (f", the highest of its {len(run_peaks)} runs {mib(highest)} ({highest * 1024 / 1e6:.1f} MB)"
+                    if len(run_peaks) > 1 else "")
+    w(f"| < 100 MB RSS at 3,000 requests/s (S2, 60 ms mock) | peak {mib(peak)} ({peak * 1024 / 1e6:.1f} MB) by the "
+      f"median{highest_text}, achieved {achieved:.0f}/s, {success_text(s2_3000)}{queued_text}{below_text} "
+      f"| {'yes' if met else '**no**'} |")
 elif rates("S2", "sqlite"):
     top = max(rates("S2", "sqlite"))
     p = point("S2", top, "sqlite")
