@@ -539,11 +539,12 @@ if postgres and postgres.get("skipped"):
     w("")
 pg_rates = rates("S4", "postgres")
 if pg_rates:
-    w("JSON turns on the 0 ms mock (the SQLite figures are S1's at the same rate), then streamed turns.")
+    w("JSON turns on the 0 ms mock (the SQLite figures are S1's at the same rate), then streamed turns. "
+      "For JSON turns, *store wait* and *the rest* split Arbor's own time as in S1's table.")
     w("")
-    w("| mode | rate | backend | success | Arbor p50 / p99 | overhead p50 / p99 | Arbor's own p50 / p99 | Arbor CPU "
-      "| CPU per turn |")
-    w("|---|---|---|---|---|---|---|---|---|")
+    w("| mode | rate | backend | success | Arbor p50 / p99 | overhead p50 / p99 | Arbor's own p50 / p99 "
+      "| store wait p50 / p99 | the rest p50 / p99 | Arbor CPU | CPU per turn |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, pg_name, lite_name, base_name, field in [
         ("JSON", "S4", "S1", "S0", "latency_us"),
         ("stream (TTFT)", "S4-stream", "S3", "S0-stream", "first_delta_us"),
@@ -557,6 +558,8 @@ if pg_rates:
                   f"| {pair(p.get(field, 'p50'), p.get(field, 'p99'))} "
                   f"| {pair(overhead(p, base, field, 'p50'), overhead(p, base, field, 'p99'))} "
                   f"| {pair(own_overhead(p, 'p50'), own_overhead(p, 'p99'))} "
+                  f"| {pair(p.get('header_store_wait_us', 'p50'), p.get('header_store_wait_us', 'p99'))} "
+                  f"| {pair(p.get('header_rest_us', 'p50'), p.get('header_rest_us', 'p99'))} "
                   f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} |")
     w("")
     w("PostgreSQL runs on this machine, unpinned, so its server processes share both cores with Arbor and "
