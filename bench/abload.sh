@@ -20,7 +20,7 @@ SECONDS_MEASURED=${3:-15}
 source "$ROOT/bench/common.sh"
 open_work abload
 start_pair0 "$ARBOR_BIN"
-if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
+after_start
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
   --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 2 --runs 1 --scenario abload >"$WORK/load.log" 2>&1
 grep -o 'run 1: .*' "$WORK/load.log"

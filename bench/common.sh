@@ -64,6 +64,12 @@ start_arbor0() { # COMMAND...
   PIDS+=("$ARBOR_PID")
 }
 
+# Runs $AFTER_START, when set, with ARBOR_PID set: an experiment's setup
+# once Arbor answers (e.g. `chrt` or `renice` on one of its threads).
+after_start() {
+  if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
+}
+
 # The usual pair: the 0 ms (or DELAY_MS) mock, and ARBOR_BIN on core 0 once
 # it answers (ARBOR_PID and ARBOR_BENCH_KEY set).
 start_pair0() { # ARBOR_BIN [DELAY_MS]

@@ -140,6 +140,11 @@ BASELINE = {
 }
 
 
+def p50_p99(p, field):
+    """A cell of a field's p50 / p99, medians over the runs."""
+    return pair(p.get(field, "p50"), p.get(field, "p99"))
+
+
 def overhead(p, base, field, q):
     return minus(p.get(field, q) if p else None, base.get(field, q) if base else None)
 
@@ -459,12 +464,11 @@ for rate in s1_rates:
     p = point("S1", rate, "sqlite")
     base = point("S0", rate)
     w(f"| {rate_text(rate)} | {p.get('achieved_rps'):.0f}/s | {success_text(p)} "
-      f"| {pair(base.get('latency_us', 'p50'), base.get('latency_us', 'p99')) if base else '—'} "
+      f"| {p50_p99(base, 'latency_us') if base else '—'} "
       f"| {us(p.get('latency_us', 'p50'))} / {us(p.get('latency_us', 'p95'))} / {us(p.get('latency_us', 'p99'))} "
       f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
-      f"| {pair(p.get('header_overhead_us', 'p50'), p.get('header_overhead_us', 'p99'))} "
-      f"| {pair(p.get('header_store_wait_us', 'p50'), p.get('header_store_wait_us', 'p99'))} "
-      f"| {pair(p.get('header_rest_us', 'p50'), p.get('header_rest_us', 'p99'))} "
+      f"| {p50_p99(p, 'header_overhead_us')} "
+      f"| {p50_p99(p, 'header_store_wait_us')} | {p50_p99(p, 'header_rest_us')} "
       f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
       f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} "
       f"| {mib(p.get('server_peak_rss_kib'))} |")
@@ -558,8 +562,7 @@ if pg_rates:
                   f"| {pair(p.get(field, 'p50'), p.get(field, 'p99'))} "
                   f"| {pair(overhead(p, base, field, 'p50'), overhead(p, base, field, 'p99'))} "
                   f"| {pair(own_overhead(p, 'p50'), own_overhead(p, 'p99'))} "
-                  f"| {pair(p.get('header_store_wait_us', 'p50'), p.get('header_store_wait_us', 'p99'))} "
-                  f"| {pair(p.get('header_rest_us', 'p50'), p.get('header_rest_us', 'p99'))} "
+                  f"| {p50_p99(p, 'header_store_wait_us')} | {p50_p99(p, 'header_rest_us')} "
                   f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} |")
     w("")
     w("PostgreSQL runs on this machine, unpinned, so its server processes share both cores with Arbor and "
@@ -630,8 +633,8 @@ else:
         ao50, ao99 = overhead(arbor, base, "latency_us", "p50"), overhead(arbor, base, "latency_us", "p99")
         ratio = lambda a, b: f"×{a / b:.0f}" if a is not None and b and b > 0 else "—"  # noqa: E731
         w(f"| {rate_text(rate)} | {lite.get('achieved_rps'):.0f}/s | {success_text(lite)} "
-          f"| {pair(base.get('latency_us', 'p50'), base.get('latency_us', 'p99')) if base else '—'} "
-          f"| {pair(lite.get('latency_us', 'p50'), lite.get('latency_us', 'p99'))} | {pair(lo50, lo99)} "
+          f"| {p50_p99(base, 'latency_us') if base else '—'} "
+          f"| {p50_p99(lite, 'latency_us')} | {pair(lo50, lo99)} "
           f"| {pair(ao50, ao99)} | {ratio(lo50, ao50)} / {ratio(lo99, ao99)} "
           f"| {lite.get('server_cpu_percent') or 0:.0f}% | {mib(lite.get('server_peak_rss_kib'))} |")
 w("")

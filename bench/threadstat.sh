@@ -30,7 +30,7 @@ RATE=${2:-500}
 source "$ROOT/bench/common.sh"
 open_work threadstat
 start_pair0 "$ARBOR_BIN" "${MOCK_DELAY_MS:-0}"
-if [[ -n "${AFTER_START:-}" ]]; then ARBOR_PID=$ARBOR_PID bash -c "$AFTER_START"; fi
+after_start
 if [[ ${LIMITED:-0} == 1 ]]; then
   ARBOR_BENCH_KEY=$("$ARBOR_BIN" users add bench-limited --data-dir "$WORK" --config "$WORK/arbor.toml")
   "$ARBOR_BIN" users credits bench-limited --set 1000000000000 --data-dir "$WORK" --config "$WORK/arbor.toml" 2>/dev/null

@@ -340,21 +340,15 @@ async fn arbor_reports_its_own_overhead_per_turn_and_as_a_metric() {
         .await
         .expect("sent");
     assert_eq!(response.status(), 200);
-    let overhead: u64 = response
-        .headers()
-        .get("x-arbor-overhead-us")
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse().ok())
-        .expect("an overhead header in microseconds");
+    let micros = |name: &str| -> u64 {
+        let value = response.headers().get(name).and_then(|value| value.to_str().ok());
+        value.and_then(|value| value.parse().ok()).unwrap_or_else(|| panic!("a {name} header in microseconds"))
+    };
+    let overhead = micros("x-arbor-overhead-us");
     // The demo model paces its chunks (~300 ms): that is upstream time, not overhead.
     assert!(overhead < 250_000, "overhead {overhead} µs excludes the model's own time");
     // Of that, the wait for the turn's two durable writes (start and end).
-    let store_wait: u64 = response
-        .headers()
-        .get("x-arbor-store-wait-us")
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse().ok())
-        .expect("a store-wait header in microseconds");
+    let store_wait = micros("x-arbor-store-wait-us");
     assert!(store_wait > 0 && store_wait <= overhead, "store wait {store_wait} µs is part of overhead {overhead} µs");
     let metrics = app.client.get(app.url("/metrics")).send().await.expect("sent").text().await.expect("text");
     assert!(metrics.contains("arbor_turn_overhead_seconds_count 1"), "{metrics}");
