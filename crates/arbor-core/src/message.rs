@@ -226,10 +226,103 @@ pub struct Node {
     pub created_at: Millis,
 }
 
+impl Node {
+    /// About how many bytes this node holds in memory: the struct and the
+    /// text of its strings, parts and tool calls (allocator rounding and
+    /// the `Value` tree's own nodes are not counted exactly). The engine
+    /// bounds the memory of quiet conversations' cached trees with it.
+    pub fn size_in_memory(&self) -> usize {
+        let text = |text: &Option<String>| text.as_ref().map_or(0, String::len);
+        let message = &self.message;
+        let parts: usize = message
+            .parts
+            .iter()
+            .map(|part| {
+                size_of::<Part>()
+                    + match part {
+                        Part::Image { media_id, url, data, mime_type } => {
+                            text(media_id) + text(url) + text(data) + text(mime_type)
+                        }
+                        Part::Thinking { text, signature } => text.len() + signature.as_ref().map_or(0, opaque_len),
+                        Part::RedactedThinking { data } => opaque_len(data),
+                    }
+            })
+            .sum();
+        let tool_calls: usize = message
+            .tool_calls
+            .iter()
+            .map(|call| {
+                size_of::<ToolCall>()
+                    + call.id.len()
+                    + call.name.len()
+                    + value_len(&call.arguments)
+                    + call.signature.as_ref().map_or(0, opaque_len)
+            })
+            .sum();
+        size_of::<Node>()
+            + self.id.len()
+            + self.conversation_id.len()
+            + text(&self.parent_id)
+            + text(&self.model)
+            + text(&self.provider)
+            + text(&self.turn_id)
+            + text(&self.copied_from)
+            + text(&message.content)
+            + text(&message.tool_call_id)
+            + text(&message.tool_name)
+            + parts
+            + tool_calls
+    }
+}
+
+fn opaque_len(opaque: &ProviderOpaque) -> usize {
+    opaque.provider.len() + opaque.data.len()
+}
+
+/// The bytes a JSON value holds, about: each value's slot and its text.
+fn value_len(value: &Value) -> usize {
+    size_of::<Value>()
+        + match value {
+            Value::String(text) => text.len(),
+            Value::Array(items) => items.iter().map(value_len).sum(),
+            Value::Object(fields) => {
+                fields.iter().map(|(key, value)| size_of::<String>() + key.len() + value_len(value)).sum()
+            }
+            Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+        }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_node_counts_its_text_in_its_size() {
+        let node = |content: &str| Node {
+            id: "m1".into(),
+            conversation_id: "c1".into(),
+            parent_id: None,
+            message: Message::user(content),
+            model: None,
+            provider: None,
+            turn_id: None,
+            copied_from: None,
+            status: NodeStatus::Complete,
+            created_at: 0,
+        };
+        let short = node("hi").size_in_memory();
+        assert!(short >= size_of::<Node>());
+        assert_eq!(node(&"x".repeat(10_002)).size_in_memory(), short + 10_000);
+        let mut calling = node("hi");
+        calling.message.tool_calls.push(ToolCall {
+            id: "call_1".into(),
+            name: "search".into(),
+            arguments: json!({"query": "y".repeat(5_000)}),
+            signature: None,
+        });
+        assert!(calling.size_in_memory() > short + 5_000, "a tool call's arguments count");
+    }
 
     #[test]
     fn seed_messages_round_trip() {

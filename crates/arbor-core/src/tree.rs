@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::message::{Message, Node};
 
+/// What a node costs the tree beyond its own size: the `Arc`'s two counts,
+/// its slot in `nodes` and its entry in `by_id`.
+const NODE_OVERHEAD: usize = 2 * size_of::<usize>() + size_of::<Arc<Node>>() + size_of::<usize>();
+
 /// An index over a conversation's nodes, in creation order.
 ///
 /// A busy conversation's tree stays in memory (the engine's hub), so it is
@@ -22,6 +26,8 @@ pub struct Tree {
     /// Positions in `nodes`, found by the hash of the node's id.
     by_id: HashTable<usize>,
     hasher: RandomState,
+    /// About how much memory the nodes hold ([`Tree::size_in_memory`]).
+    bytes: usize,
 }
 
 impl Tree {
@@ -30,6 +36,7 @@ impl Tree {
             nodes: Vec::with_capacity(nodes.len()),
             by_id: HashTable::with_capacity(nodes.len()),
             hasher: RandomState::new(),
+            bytes: 0,
         };
         for node in nodes {
             tree.push(node);
@@ -40,7 +47,7 @@ impl Tree {
     /// Adds a node (a new leaf) to the index. A node whose id is already
     /// there takes its place in the index (the store never writes one).
     pub fn push(&mut self, node: Node) {
-        let Tree { nodes, by_id, hasher } = self;
+        let Tree { nodes, by_id, hasher, bytes } = self;
         let position = nodes.len();
         let hash = hasher.hash_one(node.id.as_str());
         let entry =
@@ -51,7 +58,15 @@ impl Tree {
                 vacant.insert(position);
             }
         }
+        *bytes += node.size_in_memory() + NODE_OVERHEAD;
         nodes.push(Arc::new(node));
+    }
+
+    /// About how many bytes the tree's messages hold in memory, summed as
+    /// they were added ([`Node::size_in_memory`]). A copy shares its nodes
+    /// with the original, so this is what dropping the last copy frees.
+    pub fn size_in_memory(&self) -> usize {
+        self.bytes
     }
 
     pub fn get(&self, id: &str) -> Option<&Node> {
@@ -175,6 +190,20 @@ pub fn merge_view(tree: &Tree, view: &[ViewMessage]) -> Result<MergePlan, MergeE
 mod tests {
     use super::*;
     use crate::message::NodeStatus;
+
+    #[test]
+    fn a_tree_knows_about_how_much_memory_its_messages_hold() {
+        let mut tree = Tree::new(vec![node("a", None)]);
+        let one = tree.size_in_memory();
+        assert!(one > size_of::<Node>());
+        tree.push(node("b", Some("a")));
+        assert_eq!(tree.size_in_memory(), 2 * one + 1, "b's parent id is one byte more");
+        let mut long = node("c", Some("b"));
+        long.message.content = Some("x".repeat(100_000));
+        tree.push(long);
+        assert!(tree.size_in_memory() > 100_000);
+        assert_eq!(tree.clone().size_in_memory(), tree.size_in_memory());
+    }
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {
         Node {

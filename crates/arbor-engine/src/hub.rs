@@ -4,7 +4,7 @@
 //! running turn per conversation).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
@@ -142,6 +142,9 @@ pub(crate) struct Hub {
     /// its neighbours served from memory while the conversation is busy.
     /// Any write elsewhere bumps the version, so a stale copy is never used.
     tree: Mutex<Option<(i64, Arc<Tree>)>>,
+    /// The engine's count of bytes cached trees grew by since its last
+    /// sweep of quiet hubs; this hub adds what it caches.
+    trees_grown: Arc<AtomicUsize>,
 }
 
 /// What a new viewer gets: the recent events after its position, and a
@@ -154,7 +157,13 @@ pub(crate) struct Subscription {
 }
 
 impl Hub {
-    pub(crate) fn new(conversation_id: &str, last_seq: i64, writer: EventWriter, numbering: Numbering) -> Arc<Hub> {
+    pub(crate) fn new(
+        conversation_id: &str,
+        last_seq: i64,
+        writer: EventWriter,
+        numbering: Numbering,
+        trees_grown: Arc<AtomicUsize>,
+    ) -> Arc<Hub> {
         Arc::new_cyclic(|me| Hub {
             conversation_id: Arc::from(conversation_id),
             me: me.clone(),
@@ -171,6 +180,7 @@ impl Hub {
             writer,
             flushed: Arc::new(AtomicI64::new(last_seq)),
             tree: Mutex::new(None),
+            trees_grown,
         })
     }
 
@@ -180,7 +190,14 @@ impl Hub {
         cache.as_ref().filter(|(version, _)| *version == head_version).map(|(_, tree)| tree.clone())
     }
 
+    /// About how much memory the cached tree holds (0 without one).
+    pub(crate) fn cached_tree_size(&self) -> usize {
+        let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        cache.as_ref().map_or(0, |(_, tree)| tree.size_in_memory())
+    }
+
     pub(crate) fn cache_tree(&self, head_version: i64, tree: Arc<Tree>) {
+        self.trees_grown.fetch_add(tree.size_in_memory(), Ordering::Relaxed);
         *self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((head_version, tree));
     }
 
@@ -192,9 +209,11 @@ impl Hub {
         match cache.take() {
             Some((version, mut tree)) if version == from_version => {
                 let index = Arc::make_mut(&mut tree);
+                let before = index.size_in_memory();
                 for node in nodes {
                     index.push(node.clone());
                 }
+                self.trees_grown.fetch_add(index.size_in_memory() - before, Ordering::Relaxed);
                 *cache = Some((to_version, tree));
             }
             _ => *cache = None,

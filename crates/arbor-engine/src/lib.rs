@@ -18,6 +18,7 @@ mod turn;
 mod writer;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,11 @@ pub struct EngineConfig {
     /// beyond this the longest quiet leave memory first, and come back from
     /// the store when next used.
     pub idle_conversations_kept: usize,
+    /// The memory quiet conversations' cached trees may hold together, in
+    /// bytes (as [`arbor_core::tree::Tree::size_in_memory`] counts it): a
+    /// count alone does not bound it, since one conversation may hold
+    /// thousands of messages. The most recently busy are kept first.
+    pub idle_conversations_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -84,6 +90,7 @@ impl Default for EngineConfig {
             shared: false,
             turn_lease: Duration::from_secs(15),
             idle_conversations_kept: IDLE_CONVERSATIONS_KEPT,
+            idle_conversations_bytes: IDLE_CONVERSATIONS_BYTES,
         }
     }
 }
@@ -180,6 +187,13 @@ const HUB_IDLE: Duration = Duration::from_secs(30);
 /// conversations of the benchmark's last 30 s at 2,000 turns/s (a new one every 10 turns) took the
 /// process to 111-164 MB, against 68-83 MB with this bound (bench/memprobe.sh, bench/analysis.md).
 pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
+/// The memory quiet conversations' cached trees may hold together, by default
+/// ([`EngineConfig::idle_conversations_bytes`]): 512 short conversations hold ~7 MB, one of
+/// 10,000 messages ~5 MB.
+pub const IDLE_CONVERSATIONS_BYTES: usize = 32 << 20;
+/// How often quiet hubs are swept when no new conversation comes to trigger it, so that memory
+/// goes back once the load does.
+const HUB_SWEEP_EVERY: Duration = Duration::from_secs(15);
 /// The fewest new hubs between two sweeps (fewer when fewer quiet ones may stay).
 const HUB_SWEEP_MIN: usize = 256;
 
@@ -192,11 +206,17 @@ struct Hubs {
     sweep_at: usize,
     /// Quiet hubs kept at most after a sweep.
     idle_kept: usize,
+    /// The bytes quiet hubs' cached trees may hold together after a sweep.
+    idle_bytes: usize,
+    /// Bytes the loaded hubs' cached trees have grown by since the last sweep (each hub adds
+    /// what it caches).
+    grown: Arc<AtomicUsize>,
 }
 
 impl Hubs {
-    fn new(idle_kept: usize) -> Hubs {
-        let mut hubs = Hubs { map: HashMap::new(), sweep_at: 0, idle_kept };
+    fn new(idle_kept: usize, idle_bytes: usize) -> Hubs {
+        let grown = Arc::new(AtomicUsize::new(0));
+        let mut hubs = Hubs { map: HashMap::new(), sweep_at: 0, idle_kept, idle_bytes, grown };
         hubs.sweep_at = hubs.gap();
         hubs
     }
@@ -206,22 +226,25 @@ impl Hubs {
         (self.map.len() / 2).max(HUB_SWEEP_MIN.min(self.idle_kept)).max(1)
     }
 
-    /// The conversation's hub, adding the one `make` builds when none is
-    /// loaded (sweeping first when the map has grown enough).
-    fn get_or_insert(&mut self, conversation_id: &str, make: impl FnOnce() -> Arc<Hub>) -> Arc<Hub> {
+    /// The conversation's hub, adding the one `make` builds (given the counter its cached tree
+    /// grows) when none is loaded. It sweeps first when the map has grown enough, or the trees
+    /// by half of `idle_bytes`: a few long conversations would otherwise take memory far past
+    /// the limit before enough new hubs came.
+    fn get_or_insert(&mut self, conversation_id: &str, make: impl FnOnce(Arc<AtomicUsize>) -> Arc<Hub>) -> Arc<Hub> {
         if let Some(hub) = self.map.get(conversation_id) {
             return hub.clone();
         }
-        if self.map.len() >= self.sweep_at {
+        if self.map.len() >= self.sweep_at || self.grown.load(Ordering::Relaxed) > self.idle_bytes / 2 {
             self.sweep();
         }
-        let hub = make();
+        let hub = make(self.grown.clone());
         self.map.insert(conversation_id.to_string(), hub.clone());
         hub
     }
 
     /// Drops the hubs that can go without losing anything (see [`Hub::idle_since`]) and that nobody
-    /// else holds: those quiet for `HUB_IDLE`, then the longest quiet until `idle_kept` are left.
+    /// else holds: those quiet for `HUB_IDLE`, then, of the others, each that does not fit in
+    /// `idle_kept` hubs and `idle_bytes` of cached trees, the most recently busy placed first.
     fn sweep(&mut self) {
         let mut quiet = Vec::new();
         self.map.retain(|id, hub| {
@@ -231,20 +254,24 @@ impl Hubs {
             match since {
                 Some(since) if since.elapsed() >= HUB_IDLE => false,
                 Some(since) => {
-                    quiet.push((since, id.clone()));
+                    quiet.push((since, hub.cached_tree_size(), id.clone()));
                     true
                 }
                 None => true,
             }
         });
-        if quiet.len() > self.idle_kept {
-            let excess = quiet.len() - self.idle_kept;
-            quiet.select_nth_unstable_by_key(excess - 1, |(since, _)| *since);
-            for (_, id) in &quiet[..excess] {
+        quiet.sort_unstable_by_key(|&(since, _, _)| std::cmp::Reverse(since));
+        let (mut kept, mut bytes) = (0, 0);
+        for (_, size, id) in &quiet {
+            if kept < self.idle_kept && bytes + size <= self.idle_bytes {
+                kept += 1;
+                bytes += size;
+            } else {
                 self.map.remove(id);
             }
         }
         self.sweep_at = self.map.len() + self.gap();
+        self.grown.store(0, Ordering::Relaxed);
     }
 }
 
@@ -260,7 +287,7 @@ impl Engine {
         let closing = CancellationToken::new();
         let (writer, _task) = EventWriter::start(store.clone(), closing.clone());
         let (launcher, mut launches) = tokio::sync::mpsc::unbounded_channel();
-        let hubs = Hubs::new(config.idle_conversations_kept);
+        let hubs = Hubs::new(config.idle_conversations_kept, config.idle_conversations_bytes);
         let engine = Engine {
             inner: Arc::new(Inner {
                 store,
@@ -277,6 +304,15 @@ impl Engine {
                 node_id: new_id(),
             }),
         };
+        // Quiet hubs also leave on a timer, not only when new ones come.
+        let weak = Arc::downgrade(&engine.inner);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(HUB_SWEEP_EVERY).await;
+                let Some(inner) = weak.upgrade() else { return };
+                lock(&inner.hubs).sweep();
+            }
+        });
         let inner = engine.inner.clone();
         tokio::spawn(async move {
             while let Some((hub, owner_id, next)) = launches.recv().await {
@@ -315,12 +351,20 @@ impl Engine {
     /// The `/metrics` text: the counters and histograms, and the
     /// conversations loaded in memory now.
     pub fn render_metrics(&self) -> String {
-        let loaded = self.loaded_conversations() as u64;
-        self.inner.metrics.render(&[(
-            "arbor_conversations_loaded",
-            "Conversations held in memory (busy, or quiet and kept).",
-            loaded,
-        )])
+        let hubs = self.loaded_hubs();
+        let cached: usize = hubs.iter().map(|hub| hub.cached_tree_size()).sum();
+        self.inner.metrics.render(&[
+            (
+                "arbor_conversations_loaded",
+                "Conversations held in memory (busy, or quiet and kept).",
+                hubs.len() as u64,
+            ),
+            (
+                "arbor_conversation_trees_bytes",
+                "About how many bytes the loaded conversations' cached trees hold.",
+                cached as u64,
+            ),
+        ])
     }
 
     pub fn limits(&self) -> &Limits {
@@ -562,7 +606,8 @@ impl Engine {
             return Ok(hub);
         }
         let last_seq = self.inner.store.last_event_seq(conversation_id).await?;
-        let make = || Hub::new(conversation_id, last_seq, self.inner.writer.clone(), self.inner.numbering());
+        let make =
+            |grown| Hub::new(conversation_id, last_seq, self.inner.writer.clone(), self.inner.numbering(), grown);
         Ok(lock(&self.inner.hubs).get_or_insert(conversation_id, make))
     }
 
@@ -670,10 +715,11 @@ fn validate_message_id(id: &str) -> EngineResult<()> {
 mod tests {
     use super::*;
     use crate::writer::EventWriter;
+    use arbor_core::message::{Message, NodeStatus};
 
     /// Loads a hub the way `Engine::hub` does.
     fn load(hubs: &mut Hubs, writer: &EventWriter, id: &str) -> Arc<Hub> {
-        hubs.get_or_insert(id, || Hub::new(id, 0, writer.clone(), hub::Numbering::Local))
+        hubs.get_or_insert(id, |grown| Hub::new(id, 0, writer.clone(), hub::Numbering::Local, grown))
     }
 
     fn loaded(hubs: &Hubs) -> Vec<&str> {
@@ -685,7 +731,7 @@ mod tests {
     #[tokio::test]
     async fn quiet_conversations_beyond_the_limit_leave_memory_longest_quiet_first() {
         let writer = EventWriter::in_memory().await;
-        let mut hubs = Hubs::new(2);
+        let mut hubs = Hubs::new(2, usize::MAX);
         // c0 has a viewer and c1 is held by a request: neither may go.
         let c0 = load(&mut hubs, &writer, "c0");
         let _viewer = c0.subscribe_live();
@@ -699,7 +745,7 @@ mod tests {
         assert_eq!(loaded(&hubs), ["c0", "c1", "c4", "c5"], "the two most recently busy quiet ones stay");
 
         // Kept under the limit, nothing quiet goes before `HUB_IDLE`.
-        let mut roomy = Hubs::new(10);
+        let mut roomy = Hubs::new(10, usize::MAX);
         for id in ["a", "b", "c"] {
             drop(load(&mut roomy, &writer, id));
         }
@@ -707,10 +753,63 @@ mod tests {
         assert_eq!(loaded(&roomy), ["a", "b", "c"]);
     }
 
+    /// A cached tree of one message of `bytes` bytes of text.
+    fn tree_of(bytes: usize) -> Arc<arbor_core::tree::Tree> {
+        let node = Node {
+            id: "m".into(),
+            conversation_id: "c".into(),
+            parent_id: None,
+            message: Message::user("x".repeat(bytes)),
+            model: None,
+            provider: None,
+            turn_id: None,
+            copied_from: None,
+            status: NodeStatus::Complete,
+            created_at: 0,
+        };
+        Arc::new(arbor_core::tree::Tree::new(vec![node]))
+    }
+
+    #[tokio::test]
+    async fn quiet_conversations_whose_trees_do_not_fit_the_memory_limit_leave_most_recently_busy_kept() {
+        let writer = EventWriter::in_memory().await;
+        let mut hubs = Hubs::new(10, 250_000);
+        for (id, bytes) in [("first", 100_000), ("second", 100_000), ("third", 100_000), ("small", 1_000)] {
+            std::thread::sleep(Duration::from_millis(2));
+            load(&mut hubs, &writer, id).cache_tree(1, tree_of(bytes));
+        }
+        hubs.sweep();
+        assert_eq!(loaded(&hubs), ["second", "small", "third"], "the first no longer fits in 250,000 bytes");
+
+        // One that alone is over the limit goes, and older small ones stay.
+        let mut hubs = Hubs::new(10, 250_000);
+        for (id, bytes) in [("a", 1_000), ("b", 1_000), ("huge", 300_000)] {
+            std::thread::sleep(Duration::from_millis(2));
+            load(&mut hubs, &writer, id).cache_tree(1, tree_of(bytes));
+        }
+        hubs.sweep();
+        assert_eq!(loaded(&hubs), ["a", "b"]);
+
+        // Trees that grew by half the limit sweep at the next new hub, however few came.
+        let mut hubs = Hubs::new(10, 1_000);
+        for id in ["a", "b", "c"] {
+            load(&mut hubs, &writer, id).cache_tree(1, tree_of(500));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(loaded(&hubs), ["b", "c"], "a and b did not fit together");
+
+        // A busy one stays whatever its size.
+        let mut hubs = Hubs::new(10, 1_000);
+        let busy = load(&mut hubs, &writer, "busy");
+        busy.cache_tree(1, tree_of(300_000));
+        hubs.sweep();
+        assert_eq!(loaded(&hubs), ["busy"]);
+    }
+
     #[tokio::test]
     async fn sweeps_come_often_enough_to_hold_the_limit_and_seldom_enough_to_stay_cheap() {
         let writer = EventWriter::in_memory().await;
-        let mut hubs = Hubs::new(8);
+        let mut hubs = Hubs::new(8, usize::MAX);
         let mut peak = 0;
         for index in 0..2000 {
             drop(load(&mut hubs, &writer, &format!("c{index}")));
@@ -720,7 +819,7 @@ mod tests {
         assert!(peak <= 8 + 8, "peak {peak}");
 
         // With many busy (held) hubs, a sweep does not run on every new one.
-        let mut busy_hubs = Hubs::new(0);
+        let mut busy_hubs = Hubs::new(0, usize::MAX);
         let mut busy = Vec::new();
         let mut sweeps = 0;
         for index in 0..2000 {

@@ -758,7 +758,7 @@ mod tests {
 
     /// A hub numbering its events in memory, with a real event writer.
     async fn hub() -> Arc<Hub> {
-        Hub::new("c1", 0, EventWriter::in_memory().await, Numbering::Local)
+        Hub::new("c1", 0, EventWriter::in_memory().await, Numbering::Local, Default::default())
     }
 
     fn events_of(hub: &Hub) -> Vec<(EventName, serde_json::Value)> {

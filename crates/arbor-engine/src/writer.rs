@@ -336,8 +336,10 @@ mod tests {
         let folder = tempfile::tempdir().expect("temp dir");
         let store: Arc<dyn Store> = Arc::new(store_with(folder.path(), &["c1", "c2"]).await);
         let (writer, _task) = EventWriter::start(store.clone(), CancellationToken::new());
-        let hubs: Vec<Arc<Hub>> =
-            ["c1", "c2", "gone"].iter().map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database)).collect();
+        let hubs: Vec<Arc<Hub>> = ["c1", "c2", "gone"]
+            .iter()
+            .map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database, Default::default()))
+            .collect();
         let mut viewers: Vec<_> = hubs.iter().map(|hub| hub.subscribe_live().1.receiver).collect();
         // Emitted without yielding, so the writer takes them as one batch.
         for round in 0..3 {
@@ -372,7 +374,8 @@ mod tests {
         use crate::hub::{Hub, Numbering};
         let store: Arc<dyn Store> = Arc::new(store_with(folder, ids).await);
         let (writer, _task) = EventWriter::holding(store.clone(), CancellationToken::new(), hold);
-        let hubs = ids.iter().map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database)).collect();
+        let hubs =
+            ids.iter().map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database, Default::default())).collect();
         (writer, hubs, store)
     }
 

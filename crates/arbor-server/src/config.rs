@@ -53,6 +53,8 @@ struct RawServer {
     /// Quiet conversations kept in memory at most (their event hub and
     /// cached tree); the rest are read from the store when next used.
     idle_conversations_kept: Option<usize>,
+    /// The memory (MiB) quiet conversations' cached trees may hold together.
+    idle_conversations_mb: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -134,6 +136,7 @@ pub struct Config {
     pub shutdown_grace: Duration,
     pub turn_lease: Duration,
     pub idle_conversations_kept: usize,
+    pub idle_conversations_bytes: usize,
     pub default_model: Option<String>,
     pub providers: Vec<ProviderConfig>,
     pub models: BTreeMap<String, ModelEntry>,
@@ -266,6 +269,10 @@ impl Config {
                 .server
                 .idle_conversations_kept
                 .unwrap_or(arbor_engine::IDLE_CONVERSATIONS_KEPT),
+            idle_conversations_bytes: raw
+                .server
+                .idle_conversations_mb
+                .map_or(arbor_engine::IDLE_CONVERSATIONS_BYTES, |mb| mb.saturating_mul(1 << 20)),
             default_model: raw.default_model,
             providers,
             models: raw.models,
@@ -288,6 +295,14 @@ mod tests {
         assert_eq!(config.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(config.database_url, "sqlite://./arbor-data/arbor.db");
         assert!(config.providers.is_empty());
+        assert_eq!(config.idle_conversations_bytes, 32 << 20);
+    }
+
+    #[test]
+    fn quiet_conversations_memory_is_set_in_mib() {
+        let toml = "[server]\nidle_conversations_mb = 8\n";
+        let config = Config::from_toml(toml, &Overrides::default(), &no_env).expect("valid");
+        assert_eq!(config.idle_conversations_bytes, 8 << 20);
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub async fn build_engine(config: &Config) -> Result<Engine, SetupError> {
         shared: config.shared_database(),
         turn_lease: config.turn_lease,
         idle_conversations_kept: config.idle_conversations_kept,
+        idle_conversations_bytes: config.idle_conversations_bytes,
     };
     Ok(Engine::start(store, models, engine_config).await?)
 }
