@@ -2,7 +2,7 @@
 MESSAGES messages each (one view each, without calling the model), runs one
 JSON turn in each (so that its tree is read into memory as a turn does),
 and prints Arbor's RSS, peak RSS and the `/metrics` gauges of conversations
-loaded and their trees' bytes, after every tenth conversation and at the
+loaded and the bytes they hold, after every tenth conversation and at the
 end. Used by bench/treemem.sh.
 
     python3 bench/treemem.py BASE_URL PID CONVERSATIONS MESSAGES
@@ -34,12 +34,12 @@ def main(base_url, pid, conversations, messages):
         fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
         metrics = call("GET", "/metrics").decode()
         gauge = lambda name: next((line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")), None)
-        trees = gauge("arbor_conversation_trees_bytes")
+        held = gauge("arbor_conversations_bytes")
         print(
             f"{label}: rss {int(fields['VmRSS'].split()[0]) / 1024:.1f} MiB, "
             f"peak {int(fields['VmHWM'].split()[0]) / 1024:.1f} MiB, "
             f"conversations loaded {gauge('arbor_conversations_loaded')}, "
-            "trees " + (f"{int(trees) / 2**20:.1f} MiB" if trees else "(not counted by this build)"),
+            "held " + (f"{int(held) / 2**20:.1f} MiB" if held else "(not counted by this build)"),
             flush=True,
         )
 

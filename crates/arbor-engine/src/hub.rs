@@ -190,10 +190,16 @@ impl Hub {
         cache.as_ref().filter(|(version, _)| *version == head_version).map(|(_, tree)| tree.clone())
     }
 
-    /// About how much memory the cached tree holds (0 without one).
-    pub(crate) fn cached_tree_size(&self) -> usize {
-        let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        cache.as_ref().map_or(0, |(_, tree)| tree.size_in_memory())
+    /// About how much memory the hub holds: its cached tree (0 without
+    /// one) and its recent events (a quiet hub keeps a few, each possibly a
+    /// whole message).
+    pub(crate) fn size_in_memory(&self) -> usize {
+        let tree = {
+            let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            cache.as_ref().map_or(0, |(_, tree)| tree.size_in_memory())
+        };
+        let events: usize = self.lock().recent.iter().map(|event| size_of::<Event>() + event.data.len()).sum();
+        tree + events
     }
 
     pub(crate) fn cache_tree(&self, head_version: i64, tree: Arc<Tree>) {

@@ -76,10 +76,11 @@ pub struct EngineConfig {
     /// beyond this the longest quiet leave memory first, and come back from
     /// the store when next used.
     pub idle_conversations_kept: usize,
-    /// The memory quiet conversations' cached trees may hold together, in
-    /// bytes (as [`arbor_core::tree::Tree::size_in_memory`] counts it): a
-    /// count alone does not bound it, since one conversation may hold
-    /// thousands of messages. The most recently busy are kept first.
+    /// The memory quiet conversations may hold together, in bytes: their
+    /// cached trees (as [`arbor_core::tree::Tree::size_in_memory`] counts
+    /// them) and recent events. A count alone does not bound it, since one
+    /// conversation may hold thousands of messages. The most recently busy
+    /// are kept first.
     pub idle_conversations_bytes: usize,
 }
 
@@ -187,7 +188,7 @@ const HUB_IDLE: Duration = Duration::from_secs(30);
 /// conversations of the benchmark's last 30 s at 2,000 turns/s (a new one every 10 turns) took the
 /// process to 111-164 MB, against 68-83 MB with this bound (bench/memprobe.sh, bench/analysis.md).
 pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
-/// The memory quiet conversations' cached trees may hold together, by default
+/// The memory quiet conversations (cached trees, recent events) may hold together, by default
 /// ([`EngineConfig::idle_conversations_bytes`]): 512 short conversations hold ~7 MB, one of
 /// 10,000 messages ~5 MB.
 pub const IDLE_CONVERSATIONS_BYTES: usize = 32 << 20;
@@ -206,7 +207,7 @@ struct Hubs {
     sweep_at: usize,
     /// Quiet hubs kept at most after a sweep.
     idle_kept: usize,
-    /// The bytes quiet hubs' cached trees may hold together after a sweep.
+    /// The bytes quiet hubs may hold together after a sweep ([`Hub::size_in_memory`]).
     idle_bytes: usize,
     /// Bytes the loaded hubs' cached trees have grown by since the last sweep (each hub adds
     /// what it caches).
@@ -244,7 +245,8 @@ impl Hubs {
 
     /// Drops the hubs that can go without losing anything (see [`Hub::idle_since`]) and that nobody
     /// else holds: those quiet for `HUB_IDLE`, then, of the others, each that does not fit in
-    /// `idle_kept` hubs and `idle_bytes` of cached trees, the most recently busy placed first.
+    /// `idle_kept` hubs and `idle_bytes` (trees and recent events), the most recently busy placed
+    /// first.
     fn sweep(&mut self) {
         let mut quiet = Vec::new();
         self.map.retain(|id, hub| {
@@ -254,7 +256,7 @@ impl Hubs {
             match since {
                 Some(since) if since.elapsed() >= HUB_IDLE => false,
                 Some(since) => {
-                    quiet.push((since, hub.cached_tree_size(), id.clone()));
+                    quiet.push((since, hub.size_in_memory(), id.clone()));
                     true
                 }
                 None => true,
@@ -352,7 +354,7 @@ impl Engine {
     /// conversations loaded in memory now.
     pub fn render_metrics(&self) -> String {
         let hubs = self.loaded_hubs();
-        let cached: usize = hubs.iter().map(|hub| hub.cached_tree_size()).sum();
+        let bytes: usize = hubs.iter().map(|hub| hub.size_in_memory()).sum();
         self.inner.metrics.render(&[
             (
                 "arbor_conversations_loaded",
@@ -360,9 +362,9 @@ impl Engine {
                 hubs.len() as u64,
             ),
             (
-                "arbor_conversation_trees_bytes",
-                "About how many bytes the loaded conversations' cached trees hold.",
-                cached as u64,
+                "arbor_conversations_bytes",
+                "About how many bytes the loaded conversations hold (cached trees, recent events).",
+                bytes as u64,
             ),
         ])
     }
@@ -797,6 +799,16 @@ mod tests {
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(loaded(&hubs), ["b", "c"], "a and b did not fit together");
+
+        // The few events a quiet hub keeps count too: one can be a whole message.
+        let mut hubs = Hubs::new(10, 250_000);
+        let talkative = load(&mut hubs, &writer, "talkative");
+        talkative.emit(None, EventName::MessageNew, &serde_json::json!({"content": "x".repeat(300_000)}));
+        drop(talkative);
+        drop(load(&mut hubs, &writer, "plain"));
+        writer.flush().await;
+        hubs.sweep();
+        assert_eq!(loaded(&hubs), ["plain"]);
 
         // A busy one stays whatever its size.
         let mut hubs = Hubs::new(10, 1_000);

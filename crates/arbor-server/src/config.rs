@@ -53,7 +53,8 @@ struct RawServer {
     /// Quiet conversations kept in memory at most (their event hub and
     /// cached tree); the rest are read from the store when next used.
     idle_conversations_kept: Option<usize>,
-    /// The memory (MiB) quiet conversations' cached trees may hold together.
+    /// The memory (MiB) quiet conversations (cached trees, recent events)
+    /// may hold together.
     idle_conversations_mb: Option<usize>,
 }
 

@@ -152,8 +152,8 @@ async fn a_conversation_sent_out_of_memory_comes_back_from_the_store() {
     app.engine.flush_events().await;
     assert_eq!(loaded().await, 1);
     let metrics = app.client.get(app.url("/metrics")).send().await.expect("sent").text().await.expect("text");
-    let trees = metrics.lines().find(|line| line.starts_with("arbor_conversation_trees_bytes ")).expect("the gauge");
-    assert!(trees["arbor_conversation_trees_bytes ".len()..].parse::<usize>().expect("bytes") > 0, "{trees}");
+    let trees = metrics.lines().find(|line| line.starts_with("arbor_conversations_bytes ")).expect("the gauge");
+    assert!(trees["arbor_conversations_bytes ".len()..].parse::<usize>().expect("bytes") > 0, "{trees}");
     turn(&other, "elsewhere").await;
     app.engine.flush_events().await;
     assert_eq!(loaded().await, 1, "the first conversation left memory when the other was loaded");
