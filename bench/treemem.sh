@@ -24,4 +24,4 @@ await_arbor 100 0.2
 python3 "$ROOT/bench/treemem.py" http://127.0.0.1:8080 "$ARBOR_PID" "$CONVERSATIONS" "$MESSAGES"
 sleep "$WAIT"
 echo "after ${WAIT} s quiet: rss $(awk '/^VmRSS/ {print $2}' "/proc/$ARBOR_PID/status") KiB," \
-  "$(curl -s http://127.0.0.1:8080/metrics | grep -E '^arbor_(conversations_loaded|conversation_trees_bytes) ' | tr '\n' ' ')"
+  "$(curl -s http://127.0.0.1:8080/metrics | grep -E '^arbor_conversations_(loaded|bytes) ' | tr '\n' ' ')"
