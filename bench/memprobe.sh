@@ -12,7 +12,9 @@
 # EXTRA_TOML is appended to Arbor's config (e.g. "[server]
 # idle_conversations_kept = 64"). MOCK_DELAY_MS sets the mock's delay
 # (default 60): RSS against it gives the memory of a turn in flight.
-# MEMPROBE_SPLIT=1 also prints RssAnon / RssFile / RssShmem. Needs a release build
+# MEMPROBE_SPLIT=1 also prints RssAnon / RssFile / RssShmem. LOAD_ARGS adds
+# arguments to the load client (e.g. --stream; MOCK_CHUNK_DELAY_MS spaces the
+# mock's chunks). Needs a release build
 # (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +29,7 @@ if [[ -n ${EXTRA_TOML:-} ]]; then printf '\n%s\n' "$EXTRA_TOML" >>"$WORK/arbor.t
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
-  --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 0 --runs 1 --scenario memprobe >"$WORK/load.log" 2>&1 &
+  --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 0 --runs 1 --scenario memprobe ${LOAD_ARGS:-} >"$WORK/load.log" 2>&1 &
 LOAD=$!
 for second in $(seq 1 $((SECONDS_MEASURED + 2))); do
   sleep 1

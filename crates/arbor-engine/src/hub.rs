@@ -198,8 +198,9 @@ impl Hub {
             let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             cache.as_ref().map_or(0, |(_, tree)| tree.size_in_memory())
         };
-        let events: usize = self.lock().recent.iter().map(|event| size_of::<Event>() + event.data.len()).sum();
-        tree + events
+        let state = self.lock();
+        let events: usize = state.recent.iter().map(|event| event.data.len()).sum();
+        tree + state.recent.capacity() * size_of::<Event>() + events
     }
 
     pub(crate) fn cache_tree(&self, head_version: i64, tree: Arc<Tree>) {
@@ -226,6 +227,29 @@ impl Hub {
         }
     }
 
+    /// Between turns only a short tail of the recent events stays in memory
+    /// (a viewer that resumes from further back replays from the store), and
+    /// the buffer gives back the room a long turn's events took. Events not
+    /// yet stored stay. Done when a turn ends and again by the sweep, since
+    /// the writer may store a turn's last events after its end.
+    fn trim_between_turns(&self, state: &mut HubState) {
+        let flushed = self.flushed.load(Ordering::Acquire);
+        while state.recent.len() > RECENT_BETWEEN_TURNS
+            && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed)
+        {
+            state.recent.pop_front();
+        }
+        if state.recent.capacity() > 4 * RECENT_BETWEEN_TURNS.max(state.recent.len()) {
+            state.recent.shrink_to_fit();
+        }
+    }
+
+    /// [`Hub::trim_between_turns`] for the sweep, on a quiet hub.
+    pub(crate) fn trim(&self) {
+        let mut state = self.lock();
+        self.trim_between_turns(&mut state);
+    }
+
     fn lock(&self) -> MutexGuard<'_, HubState> {
         // A panic while holding this lock cannot leave the state half-written
         // (every update is a few field assignments), so poisoning is ignored.
@@ -249,14 +273,7 @@ impl Hub {
             state.running = None;
         }
         self.emit_locked(&mut state, Some(turn_id), name, data);
-        // Between turns only a short tail stays in memory; a viewer that
-        // resumes from further back replays from the store.
-        let flushed = self.flushed.load(Ordering::Acquire);
-        while state.recent.len() > RECENT_BETWEEN_TURNS
-            && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed)
-        {
-            state.recent.pop_front();
-        }
+        self.trim_between_turns(&mut state);
         if state.running.is_some() {
             return None;
         }

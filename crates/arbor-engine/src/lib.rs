@@ -256,6 +256,7 @@ impl Hubs {
             match since {
                 Some(since) if since.elapsed() >= HUB_IDLE => false,
                 Some(since) => {
+                    hub.trim();
                     quiet.push((since, hub.size_in_memory(), id.clone()));
                     true
                 }
@@ -816,6 +817,26 @@ mod tests {
         busy.cache_tree(1, tree_of(300_000));
         hubs.sweep();
         assert_eq!(loaded(&hubs), ["busy"]);
+    }
+
+    #[tokio::test]
+    async fn a_quiet_conversation_keeps_only_the_last_few_events_of_its_last_turn() {
+        let writer = EventWriter::in_memory().await;
+        let mut hubs = Hubs::new(10, usize::MAX);
+        let hub = load(&mut hubs, &writer, "c");
+        let turn: Arc<str> = Arc::from("t1");
+        for index in 0..1_000 {
+            hub.emit(Some(&turn), EventName::TraceDelta, &serde_json::json!({"text": index}));
+        }
+        // The turn ends before the writer has stored its events: they stay.
+        hub.finish(&turn, EventName::Done, &serde_json::json!({}));
+        let at_the_end = hub.size_in_memory();
+        assert!(at_the_end > 1_000 * size_of::<arbor_core::Event>(), "{at_the_end}");
+        drop(hub);
+        writer.flush().await;
+        hubs.sweep();
+        let quiet = hubs.map.get("c").expect("kept").size_in_memory();
+        assert!(quiet * 20 < at_the_end, "{quiet} bytes kept of {at_the_end}");
     }
 
     #[tokio::test]
