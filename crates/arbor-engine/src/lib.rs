@@ -82,6 +82,9 @@ pub struct EngineConfig {
     /// conversation may hold thousands of messages. The most recently busy
     /// are kept first.
     pub idle_conversations_bytes: usize,
+    /// How often quiet conversations are swept when no new one comes to
+    /// trigger it, so that memory goes back once the load does.
+    pub sweep_every: Duration,
 }
 
 impl Default for EngineConfig {
@@ -92,6 +95,7 @@ impl Default for EngineConfig {
             turn_lease: Duration::from_secs(15),
             idle_conversations_kept: IDLE_CONVERSATIONS_KEPT,
             idle_conversations_bytes: IDLE_CONVERSATIONS_BYTES,
+            sweep_every: Duration::from_secs(15),
         }
     }
 }
@@ -192,9 +196,6 @@ pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
 /// ([`EngineConfig::idle_conversations_bytes`]): 512 short conversations hold ~7 MB, one of
 /// 10,000 messages ~5 MB.
 pub const IDLE_CONVERSATIONS_BYTES: usize = 32 << 20;
-/// How often quiet hubs are swept when no new conversation comes to trigger it, so that memory
-/// goes back once the load does.
-const HUB_SWEEP_EVERY: Duration = Duration::from_secs(15);
 /// The fewest new hubs between two sweeps (fewer when fewer quiet ones may stay).
 const HUB_SWEEP_MIN: usize = 256;
 
@@ -309,9 +310,10 @@ impl Engine {
         };
         // Quiet hubs also leave on a timer, not only when new ones come.
         let weak = Arc::downgrade(&engine.inner);
+        let every = engine.inner.config.sweep_every;
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(HUB_SWEEP_EVERY).await;
+                tokio::time::sleep(every).await;
                 let Some(inner) = weak.upgrade() else { return };
                 lock(&inner.hubs).sweep();
             }
@@ -837,6 +839,25 @@ mod tests {
         hubs.sweep();
         let quiet = hubs.map.get("c").expect("kept").size_in_memory();
         assert!(quiet * 20 < at_the_end, "{quiet} bytes kept of {at_the_end}");
+    }
+
+    #[tokio::test]
+    async fn quiet_conversations_leave_on_the_timer_when_no_new_one_comes() {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let mut providers: HashMap<String, Arc<dyn arbor_providers::Provider>> = HashMap::new();
+        providers.insert("demo".into(), Arc::new(arbor_providers::demo::DemoProvider::default()));
+        let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
+            .expect("the demo model");
+        let config = EngineConfig {
+            idle_conversations_kept: 0,
+            sweep_every: Duration::from_millis(20),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(Arc::new(store), models, config).await.expect("starts");
+        drop(engine.hub("c1").await.expect("loads"));
+        assert_eq!(engine.loaded_conversations(), 1, "no sweep has come yet");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(engine.loaded_conversations(), 0, "the timer's sweep sent the quiet conversation out");
     }
 
     #[tokio::test]

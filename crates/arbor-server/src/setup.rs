@@ -69,6 +69,7 @@ pub async fn build_engine(config: &Config) -> Result<Engine, SetupError> {
         turn_lease: config.turn_lease,
         idle_conversations_kept: config.idle_conversations_kept,
         idle_conversations_bytes: config.idle_conversations_bytes,
+        ..EngineConfig::default()
     };
     Ok(Engine::start(store, models, engine_config).await?)
 }
