@@ -198,6 +198,9 @@ pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
 pub const IDLE_CONVERSATIONS_BYTES: usize = 32 << 20;
 /// The fewest new hubs between two sweeps (fewer when fewer quiet ones may stay).
 const HUB_SWEEP_MIN: usize = 256;
+/// The least growth of the cached trees that sweeps on its own (with a limit of 0 every new hub
+/// would sweep, a scan of all of them each time).
+const SWEEP_GROWTH_MIN: usize = 64 << 10;
 
 /// The conversations loaded in memory.
 struct Hubs {
@@ -236,7 +239,8 @@ impl Hubs {
         if let Some(hub) = self.map.get(conversation_id) {
             return hub.clone();
         }
-        if self.map.len() >= self.sweep_at || self.grown.load(Ordering::Relaxed) > self.idle_bytes / 2 {
+        let grown = self.grown.load(Ordering::Relaxed);
+        if self.map.len() >= self.sweep_at || grown > (self.idle_bytes / 2).max(SWEEP_GROWTH_MIN) {
             self.sweep();
         }
         let hub = make(self.grown.clone());
@@ -796,9 +800,9 @@ mod tests {
         assert_eq!(loaded(&hubs), ["a", "b"]);
 
         // Trees that grew by half the limit sweep at the next new hub, however few came.
-        let mut hubs = Hubs::new(10, 1_000);
+        let mut hubs = Hubs::new(10, 150_000);
         for id in ["a", "b", "c"] {
-            load(&mut hubs, &writer, id).cache_tree(1, tree_of(500));
+            load(&mut hubs, &writer, id).cache_tree(1, tree_of(100_000));
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(loaded(&hubs), ["b", "c"], "a and b did not fit together");
