@@ -227,6 +227,30 @@ pub struct Node {
 }
 
 impl Node {
+    /// A complete message with no provenance (no model, provider, turn or
+    /// original): what a user or a client's view records. Set the others
+    /// with struct update syntax.
+    pub fn new(
+        id: impl Into<String>,
+        conversation_id: impl Into<String>,
+        parent_id: Option<String>,
+        message: Message,
+        created_at: Millis,
+    ) -> Node {
+        Node {
+            id: id.into(),
+            conversation_id: conversation_id.into(),
+            parent_id,
+            message,
+            model: None,
+            provider: None,
+            turn_id: None,
+            copied_from: None,
+            status: NodeStatus::Complete,
+            created_at,
+        }
+    }
+
     /// About how many bytes this node holds in memory: the struct and the
     /// text of its strings, parts and tool calls (allocator rounding and
     /// the `Value` tree's own nodes are not counted exactly). The engine
@@ -299,18 +323,7 @@ mod tests {
 
     #[test]
     fn a_node_counts_its_text_in_its_size() {
-        let node = |content: &str| Node {
-            id: "m1".into(),
-            conversation_id: "c1".into(),
-            parent_id: None,
-            message: Message::user(content),
-            model: None,
-            provider: None,
-            turn_id: None,
-            copied_from: None,
-            status: NodeStatus::Complete,
-            created_at: 0,
-        };
+        let node = |content: &str| Node::new("m1", "c1", None, Message::user(content), 0);
         let short = node("hi").size_in_memory();
         assert!(short >= size_of::<Node>());
         assert_eq!(node(&"x".repeat(10_002)).size_in_memory(), short + 10_000);
@@ -377,18 +390,7 @@ mod tests {
 
     #[test]
     fn node_flattens_its_message_and_shows_rfc3339_time() {
-        let node = Node {
-            id: "u1".into(),
-            conversation_id: "c".into(),
-            parent_id: None,
-            message: Message::user("hi"),
-            model: None,
-            provider: None,
-            turn_id: None,
-            copied_from: None,
-            status: NodeStatus::Complete,
-            created_at: 0,
-        };
+        let node = Node::new("u1", "c", None, Message::user("hi"), 0);
         let value = serde_json::to_value(&node).expect("serializes");
         assert_eq!(value["role"], "user");
         assert_eq!(value["content"], "hi");

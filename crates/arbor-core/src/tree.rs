@@ -189,7 +189,6 @@ pub fn merge_view(tree: &Tree, view: &[ViewMessage]) -> Result<MergePlan, MergeE
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::NodeStatus;
 
     #[test]
     fn a_tree_knows_about_how_much_memory_its_messages_hold() {
@@ -206,18 +205,7 @@ mod tests {
     }
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {
-        Node {
-            id: id.into(),
-            conversation_id: "c".into(),
-            parent_id: parent.map(Into::into),
-            message: Message::user(id),
-            model: None,
-            provider: None,
-            turn_id: None,
-            copied_from: None,
-            status: NodeStatus::Complete,
-            created_at: 0,
-        }
+        Node::new(id, "c", parent.map(Into::into), Message::user(id), 0)
     }
 
     #[test]

@@ -194,13 +194,24 @@ impl Hub {
     /// one) and its recent events (a quiet hub keeps a few, each possibly a
     /// whole message).
     pub(crate) fn size_in_memory(&self) -> usize {
-        let tree = {
-            let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            cache.as_ref().map_or(0, |(_, tree)| tree.size_in_memory())
+        let events = recent_size(&self.lock());
+        events + self.tree_size()
+    }
+
+    /// For the sweep, on a quiet hub: trims its recent events as a turn's
+    /// end does ([`Hub::trim_between_turns`]), then its size in memory.
+    pub(crate) fn trim_and_size(&self) -> usize {
+        let events = {
+            let mut state = self.lock();
+            self.trim_between_turns(&mut state);
+            recent_size(&state)
         };
-        let state = self.lock();
-        let events: usize = state.recent.iter().map(|event| event.data.len()).sum();
-        tree + state.recent.capacity() * size_of::<Event>() + events
+        events + self.tree_size()
+    }
+
+    fn tree_size(&self) -> usize {
+        let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        cache.as_ref().map_or(0, |(_, tree)| tree.size_in_memory())
     }
 
     pub(crate) fn cache_tree(&self, head_version: i64, tree: Arc<Tree>) {
@@ -242,12 +253,6 @@ impl Hub {
         if state.recent.capacity() > 4 * RECENT_BETWEEN_TURNS.max(state.recent.len()) {
             state.recent.shrink_to_fit();
         }
-    }
-
-    /// [`Hub::trim_between_turns`] for the sweep, on a quiet hub.
-    pub(crate) fn trim(&self) {
-        let mut state = self.lock();
-        self.trim_between_turns(&mut state);
     }
 
     fn lock(&self) -> MutexGuard<'_, HubState> {
@@ -508,4 +513,10 @@ impl Hub {
             && self.flushed.load(Ordering::Acquire) >= state.next_seq - 1;
         idle.then_some(state.last_active)
     }
+}
+
+/// The recent events' buffer and their payloads, in bytes.
+fn recent_size(state: &HubState) -> usize {
+    let payloads: usize = state.recent.iter().map(|event| event.data.len()).sum();
+    state.recent.capacity() * size_of::<Event>() + payloads
 }

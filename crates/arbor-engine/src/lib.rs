@@ -193,8 +193,8 @@ const HUB_IDLE: Duration = Duration::from_secs(30);
 /// process to 111-164 MB, against 68-83 MB with this bound (bench/memprobe.sh, bench/analysis.md).
 pub const IDLE_CONVERSATIONS_KEPT: usize = 512;
 /// The memory quiet conversations (cached trees, recent events) may hold together, by default
-/// ([`EngineConfig::idle_conversations_bytes`]): 512 short conversations hold ~7 MB, one of
-/// 10,000 messages ~5 MB.
+/// ([`EngineConfig::idle_conversations_bytes`]): 512 short conversations (~20 messages) count
+/// ~5 MB, one of 10,000 messages ~5 MB.
 pub const IDLE_CONVERSATIONS_BYTES: usize = 32 << 20;
 /// The fewest new hubs between two sweeps (fewer when fewer quiet ones may stay).
 const HUB_SWEEP_MIN: usize = 256;
@@ -261,8 +261,7 @@ impl Hubs {
             match since {
                 Some(since) if since.elapsed() >= HUB_IDLE => false,
                 Some(since) => {
-                    hub.trim();
-                    quiet.push((since, hub.size_in_memory(), id.clone()));
+                    quiet.push((since, hub.trim_and_size(), id.clone()));
                     true
                 }
                 None => true,
@@ -724,7 +723,7 @@ fn validate_message_id(id: &str) -> EngineResult<()> {
 mod tests {
     use super::*;
     use crate::writer::EventWriter;
-    use arbor_core::message::{Message, NodeStatus};
+    use arbor_core::Message;
 
     /// Loads a hub the way `Engine::hub` does.
     fn load(hubs: &mut Hubs, writer: &EventWriter, id: &str) -> Arc<Hub> {
@@ -764,19 +763,7 @@ mod tests {
 
     /// A cached tree of one message of `bytes` bytes of text.
     fn tree_of(bytes: usize) -> Arc<arbor_core::tree::Tree> {
-        let node = Node {
-            id: "m".into(),
-            conversation_id: "c".into(),
-            parent_id: None,
-            message: Message::user("x".repeat(bytes)),
-            model: None,
-            provider: None,
-            turn_id: None,
-            copied_from: None,
-            status: NodeStatus::Complete,
-            created_at: 0,
-        };
-        Arc::new(arbor_core::tree::Tree::new(vec![node]))
+        Arc::new(arbor_core::tree::Tree::new(vec![Node::new("m", "c", None, Message::user("x".repeat(bytes)), 0)]))
     }
 
     #[tokio::test]

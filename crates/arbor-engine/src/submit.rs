@@ -8,7 +8,6 @@
 use std::sync::Arc;
 
 use arbor_core::ids::{new_id, now_millis};
-use arbor_core::message::NodeStatus;
 use arbor_core::tree::{MergePlan, Tree, ViewMessage, merge_view};
 use arbor_core::{EventName, Message, Node, Role};
 use arbor_store::{Conversation, StoreError, Turn, TurnStarted, TurnStatus, User};
@@ -328,16 +327,8 @@ impl Inner {
         turn_id: Option<&str>,
     ) -> Node {
         Node {
-            id: id.unwrap_or_else(new_id),
-            conversation_id: conversation.id.clone(),
-            parent_id,
-            message,
-            model: None,
-            provider: None,
             turn_id: turn_id.map(str::to_string),
-            copied_from: None,
-            status: NodeStatus::Complete,
-            created_at: now_millis(),
+            ..Node::new(id.unwrap_or_else(new_id), conversation.id.clone(), parent_id, message, now_millis())
         }
     }
 

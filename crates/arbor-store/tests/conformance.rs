@@ -287,18 +287,7 @@ fn conversation(owner: &str, id: &str, created_at: i64) -> Conversation {
 }
 
 fn node(conversation: &str, id: &str, parent: Option<&str>, message: Message) -> Node {
-    Node {
-        id: id.into(),
-        conversation_id: conversation.into(),
-        parent_id: parent.map(Into::into),
-        message,
-        model: None,
-        provider: None,
-        turn_id: None,
-        copied_from: None,
-        status: NodeStatus::Complete,
-        created_at: 2_000,
-    }
+    Node::new(id, conversation, parent.map(Into::into), message, 2_000)
 }
 
 fn turn(conversation: &str, id: &str, status: TurnStatus, created_at: i64) -> Turn {
