@@ -416,7 +416,7 @@ floor_tables = [("F1", "S0", "S1", "latency_us", "JSON turns, 0 ms mock: time to
 if any(rates(floor) for floor, *_ in floor_tables):
     w("## The floor: Arbor's HTTP stack without Arbor")
     w("")
-    w("`arbor-floor` is a stateless pass-through built from Arbor's parts (axum's server with `TCP_NODELAY`, the "
+    w("`arbor-floor` is a stateless pass-through built from Arbor's parts (Arbor's HTTP server with `TCP_NODELAY`, the "
       "reqwest client Arbor builds, mimalloc, the same tokio runtime), pinned to Arbor's core and loaded like "
       "Arbor at some of the same rates, in the same minutes. *2 fsyncs* adds the durable writes a stateful turn "
       "waits for: the request before it is forwarded and the answer before it is returned (streamed: after the "

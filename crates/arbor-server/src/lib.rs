@@ -6,6 +6,7 @@
 pub mod config;
 pub mod error;
 pub mod extract;
+pub mod listen;
 pub mod routes;
 pub mod setup;
 pub mod sse;
@@ -20,7 +21,6 @@ use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::HeaderValue;
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -82,22 +82,16 @@ pub async fn serve(
     let engine = state.engine.clone();
     let streams_end = state.streams_end.clone();
     let app = router(state, max_body_bytes);
-    // Small SSE writes must leave at once: with Nagle's algorithm on, each
-    // event after the first waits for the client's delayed ACK (~40 ms).
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
-    let mut server = tokio::spawn(server.into_future());
+    let mut server = tokio::spawn(listen::serve_http1(listener, app, stop_accepting.clone()));
     tokio::select! {
-        result = &mut server => return result.map_err(std::io::Error::other)?,
+        result = &mut server => return result.map_err(std::io::Error::other),
         () = shutdown => {}
     }
     tracing::info!(grace_secs = grace.as_secs(), "stopping: no new requests; running turns may finish");
     stop_accepting.cancel();
     engine.shutdown(grace).await;
     streams_end.cancel();
-    server.await.map_err(std::io::Error::other)??;
+    server.await.map_err(std::io::Error::other)?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! `arbor-floor`: what the benchmark's shape costs without Arbor in it.
 //!
 //! A stateless pass-through built from the parts Arbor is built from —
-//! axum's server with `TCP_NODELAY`, the reqwest client Arbor builds
+//! Arbor's accept loop (`arbor_server::listen`: hyper's HTTP/1.1 with
+//! `TCP_NODELAY`) serving an axum router, the reqwest client Arbor builds
 //! (`arbor_providers::http::build_client`), mimalloc, a multi-thread tokio
 //! runtime with one worker per core it may use — that forwards every
 //! request's body to the upstream at the same path and answers with what
@@ -36,10 +37,10 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::serve::ListenerExt;
 use clap::Parser;
 use futures_util::{StreamExt, stream};
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -96,10 +97,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         println!("arbor-floor: {} -> {} ({} fsyncs a request)", listener.local_addr()?, floor.upstream, args.fsyncs);
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, Router::new().fallback(forward).with_state(floor)).await?;
+        let app = Router::new().fallback(forward).with_state(floor);
+        arbor_server::listen::serve_http1(listener, app, CancellationToken::new()).await;
         Ok(())
     })
 }

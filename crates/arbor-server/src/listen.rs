@@ -1,0 +1,140 @@
+//! The accept loop: each connection is served by hyper's HTTP/1.1 machinery
+//! straight from the router.
+//!
+//! Why not `axum::serve`: for every connection it rebuilds the router's route
+//! table (~5.6 KB, kept for the connection's life), and it reads through
+//! hyper-util's protocol sniffing, whose first 24-byte read leaves hyper's read
+//! buffer too short, so it grows from 8 to 16 KiB. A kept-alive connection
+//! held both; at S2's 3,000 turns/s hundreds of them are open (ARCHITECTURE.md,
+//! "Deliberate choices"). Arbor speaks HTTP/1.1 only, as it did behind axum.
+
+use std::io;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Serves `app` on `listener` until `stop` is cancelled; then stops
+/// accepting, lets each connection finish the request it is in (an idle one
+/// closes at once) and returns when all have closed.
+pub async fn serve_http1(listener: TcpListener, app: Router, stop: CancellationToken) {
+    // Every route becomes a ready service here, once, so that a connection
+    // only clones an `Arc`.
+    let app = app.with_state(());
+    let connections = TaskTracker::new();
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(error) => {
+                    pause_after(error).await;
+                    continue;
+                }
+            },
+            () = stop.cancelled() => break,
+        };
+        connections.spawn(serve_connection(tcp, app.clone(), stop.clone()));
+    }
+    drop(listener);
+    connections.close();
+    connections.wait().await;
+}
+
+async fn serve_connection(tcp: TcpStream, app: Router, stop: CancellationToken) {
+    // Small SSE writes must leave at once: with Nagle's algorithm on, each
+    // event after the first waits for the client's delayed ACK (~40 ms).
+    let _ = tcp.set_nodelay(true);
+    let connection = http1::Builder::new().serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app));
+    let mut connection = std::pin::pin!(connection);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = stop.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(error) = result {
+        tracing::debug!(%error, "connection ended with an error");
+    }
+}
+
+/// A refused or reset connection is the client's business; anything else
+/// (out of file descriptors, say) would fail again at once, so wait a
+/// second before the next accept.
+async fn pause_after(error: io::Error) {
+    use io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(error.kind(), ConnectionAborted | ConnectionRefused | ConnectionReset) {
+        return;
+    }
+    tracing::error!(%error, "could not accept a connection");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::Router;
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio_util::sync::CancellationToken;
+
+    use super::serve_http1;
+
+    async fn get_on(tcp: &mut TcpStream, path: &str) -> String {
+        let request = format!("GET {path} HTTP/1.1\r\nhost: arbor\r\n\r\n");
+        tcp.write_all(request.as_bytes()).await.expect("request sent");
+        let mut answer = Vec::new();
+        let mut chunk = [0u8; 1024];
+        // The test's bodies are short and end with "!".
+        while !answer.ends_with(b"!") {
+            let read = tcp.read(&mut chunk).await.expect("answer read");
+            assert!(read > 0, "the connection closed mid-answer: {}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&chunk[..read]);
+        }
+        String::from_utf8(answer).expect("utf-8")
+    }
+
+    #[tokio::test]
+    async fn stopping_finishes_the_request_in_progress_and_does_not_wait_for_idle_connections() {
+        let app = Router::new().route("/quick", get(|| async { "quick!" })).route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                "slow!"
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
+        let address = listener.local_addr().expect("address");
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve_http1(listener, app, stop.clone()));
+
+        // A kept-alive connection that has had its answer and sits idle.
+        let mut idle = TcpStream::connect(address).await.expect("connected");
+        let answer = get_on(&mut idle, "/quick").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+        let mut busy = TcpStream::connect(address).await.expect("connected");
+        let slow = tokio::spawn(async move { get_on(&mut busy, "/slow").await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.cancel();
+
+        let answer = slow.await.expect("slow request");
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("slow!"), "{answer}");
+        assert!(answer.to_ascii_lowercase().contains("connection: close"), "told not to reuse it: {answer}");
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the idle connection did not hold the server")
+            .expect("the accept loop ended cleanly");
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), idle.read_to_end(&mut rest)).await;
+        assert!(matches!(read, Ok(Ok(0))), "the idle connection was closed: {read:?}");
+        assert!(TcpStream::connect(address).await.is_err(), "no new connections once stopped");
+    }
+}
