@@ -3,7 +3,7 @@
 
 use arbor_store::User;
 use axum::extract::{FromRequest, FromRequestParts, Request};
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{ACCEPT, AUTHORIZATION};
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
@@ -12,6 +12,22 @@ use crate::error::ApiError;
 
 /// The authenticated caller.
 pub struct Caller(pub User);
+
+/// Whether the client asked for an event stream (`Accept:
+/// text/event-stream`). Read here rather than by keeping the request's
+/// headers: their values share hyper's read buffer, and a turn in flight
+/// that held them would make the connection allocate a second buffer for
+/// the rest of the turn (`bench/memprobe.sh`, ARCHITECTURE.md).
+pub struct WantsEventStream(pub bool);
+
+impl<S: Send + Sync> FromRequestParts<S> for WantsEventStream {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<WantsEventStream, Self::Rejection> {
+        let accept = parts.headers.get(ACCEPT).and_then(|value| value.to_str().ok());
+        Ok(WantsEventStream(accept.is_some_and(|accept| accept.contains("text/event-stream"))))
+    }
+}
 
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;

@@ -6,7 +6,6 @@ use arbor_core::tree::ViewMessage;
 use arbor_engine::{QueueMode, Submit, Submitted, TurnHandle, TurnOutcome, Until};
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::header::ACCEPT;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -15,7 +14,7 @@ use serde_json::json;
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{Caller, Json, Query};
+use crate::extract::{Caller, Json, Query, WantsEventStream};
 use crate::{sse, views};
 
 pub fn router() -> Router<AppState> {
@@ -71,16 +70,12 @@ struct StreamQuery {
     after: Option<i64>,
 }
 
-fn wants_event_stream(headers: &HeaderMap) -> bool {
-    headers.get(ACCEPT).and_then(|value| value.to_str().ok()).is_some_and(|accept| accept.contains("text/event-stream"))
-}
-
 async fn submit(
     State(state): State<AppState>,
     Caller(user): Caller,
     Path(id): Path<String>,
     Query(query): Query<StreamQuery>,
-    headers: HeaderMap,
+    WantsEventStream(stream): WantsEventStream,
     Json(body): Json<SubmitRequest>,
 ) -> ApiResult<Response> {
     let visibility = sse::visibility(query.visibility.as_deref())?;
@@ -107,7 +102,7 @@ async fn submit(
         ..submit
     };
     match state.engine.submit(&user, &id, submit).await? {
-        Submitted::Turn(handle) => respond_turn(&state, *handle, wants_event_stream(&headers), visibility).await,
+        Submitted::Turn(handle) => respond_turn(&state, *handle, stream, visibility).await,
         Submitted::Recorded { messages, head_id, head_version } => Ok((
             StatusCode::CREATED,
             axum::Json(json!({"messages": views::nodes(&messages), "head_id": head_id, "head_version": head_version})),
@@ -146,13 +141,13 @@ async fn regenerate(
     Caller(user): Caller,
     Path(id): Path<String>,
     Query(query): Query<StreamQuery>,
-    headers: HeaderMap,
+    WantsEventStream(stream): WantsEventStream,
     Json(body): Json<RegenerateRequest>,
 ) -> ApiResult<Response> {
     let visibility = sse::visibility(query.visibility.as_deref())?;
     let queue = queue_mode(body.queue)?;
     let handle = state.engine.regenerate(&user, &id, body.message_id.as_deref(), body.model.as_deref(), queue).await?;
-    respond_turn(&state, handle, wants_event_stream(&headers), visibility).await
+    respond_turn(&state, handle, stream, visibility).await
 }
 
 #[derive(Deserialize)]
