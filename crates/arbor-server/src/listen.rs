@@ -13,16 +13,27 @@ use std::time::Duration;
 
 use axum::Router;
 use hyper::server::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+/// How long a connection may take to send a request's head, counted from
+/// when the server starts waiting for it: a connection that stays silent
+/// (or trickles a head in) this long after its last answer is closed, so
+/// idle or stalled clients cannot hold connections (and file descriptors)
+/// forever. A stream being answered is not waiting for a head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Serves `app` on `listener` until `stop` is cancelled; then stops
 /// accepting, lets each connection finish the request it is in (an idle one
 /// closes at once) and returns when all have closed.
 pub async fn serve_http1(listener: TcpListener, app: Router, stop: CancellationToken) {
+    serve_http1_with(listener, app, stop, HEAD_TIMEOUT).await;
+}
+
+async fn serve_http1_with(listener: TcpListener, app: Router, stop: CancellationToken, head_timeout: Duration) {
     // Every route becomes a ready service here, once, so that a connection
     // only clones an `Arc`.
     let app = app.with_state(());
@@ -38,18 +49,21 @@ pub async fn serve_http1(listener: TcpListener, app: Router, stop: CancellationT
             },
             () = stop.cancelled() => break,
         };
-        connections.spawn(serve_connection(tcp, app.clone(), stop.clone()));
+        connections.spawn(serve_connection(tcp, app.clone(), stop.clone(), head_timeout));
     }
     drop(listener);
     connections.close();
     connections.wait().await;
 }
 
-async fn serve_connection(tcp: TcpStream, app: Router, stop: CancellationToken) {
+async fn serve_connection(tcp: TcpStream, app: Router, stop: CancellationToken, head_timeout: Duration) {
     // Small SSE writes must leave at once: with Nagle's algorithm on, each
     // event after the first waits for the client's delayed ACK (~40 ms).
     let _ = tcp.set_nodelay(true);
-    let connection = http1::Builder::new().serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app));
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(head_timeout)
+        .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app));
     let mut connection = std::pin::pin!(connection);
     let result = tokio::select! {
         result = connection.as_mut() => result,
@@ -85,7 +99,7 @@ mod tests {
     use tokio::net::{TcpListener, TcpStream};
     use tokio_util::sync::CancellationToken;
 
-    use super::serve_http1;
+    use super::{serve_http1, serve_http1_with};
 
     async fn get_on(tcp: &mut TcpStream, path: &str) -> String {
         let request = format!("GET {path} HTTP/1.1\r\nhost: arbor\r\n\r\n");
@@ -136,5 +150,53 @@ mod tests {
         let read = tokio::time::timeout(Duration::from_secs(5), idle.read_to_end(&mut rest)).await;
         assert!(matches!(read, Ok(Ok(0))), "the idle connection was closed: {read:?}");
         assert!(TcpStream::connect(address).await.is_err(), "no new connections once stopped");
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sends_no_whole_head_in_time_is_closed() {
+        let app = Router::new().route("/quick", get(|| async { "quick!" })).route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                "slow!"
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
+        let address = listener.local_addr().expect("address");
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve_http1_with(listener, app, stop.clone(), Duration::from_millis(300)));
+        let closed_within = |mut tcp: TcpStream| async move {
+            let mut rest = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut rest)).await;
+            assert!(matches!(read, Ok(Ok(_))), "closed by the server: {read:?}");
+            String::from_utf8_lossy(&rest).into_owned()
+        };
+
+        // Half a head, then nothing: closed without an answer to act on.
+        let mut stalled = TcpStream::connect(address).await.expect("connected");
+        stalled.write_all(b"GET /quick HTTP/1.1\r\nhost: ar").await.expect("sent");
+        let started = std::time::Instant::now();
+        let answer = closed_within(stalled).await;
+        assert!(started.elapsed() >= Duration::from_millis(250), "not before the timeout");
+        assert!(!answer.contains("quick!"), "{answer}");
+
+        // Answered, then silent: closed too, after its answer.
+        let mut idle = TcpStream::connect(address).await.expect("connected");
+        let answer = get_on(&mut idle, "/quick").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        closed_within(idle).await;
+
+        // One that keeps asking within the timeout is served every time,
+        // and an answer that takes longer than the timeout is not cut.
+        let mut busy = TcpStream::connect(address).await.expect("connected");
+        let answer = get_on(&mut busy, "/slow").await;
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("slow!"), "{answer}");
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let answer = get_on(&mut busy, "/quick").await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        }
+        stop.cancel();
+        server.await.expect("the accept loop ended cleanly");
     }
 }
