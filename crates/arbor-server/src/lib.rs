@@ -84,6 +84,7 @@ pub async fn serve(
     let app = router(state, max_body_bytes);
     let mut server = tokio::spawn(listen::serve_http1(listener, app, stop_accepting.clone()));
     tokio::select! {
+        // The loop ends only once stopped: before that, only by panicking.
         result = &mut server => return result.map_err(std::io::Error::other),
         () = shutdown => {}
     }

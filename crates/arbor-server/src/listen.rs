@@ -37,6 +37,8 @@ async fn serve_http1_with(listener: TcpListener, app: Router, stop: Cancellation
     // Every route becomes a ready service here, once, so that a connection
     // only clones an `Arc`.
     let app = app.with_state(());
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(head_timeout);
     let connections = TaskTracker::new();
     loop {
         let tcp = tokio::select! {
@@ -49,21 +51,18 @@ async fn serve_http1_with(listener: TcpListener, app: Router, stop: Cancellation
             },
             () = stop.cancelled() => break,
         };
-        connections.spawn(serve_connection(tcp, app.clone(), stop.clone(), head_timeout));
+        connections.spawn(serve_connection(tcp, http.clone(), app.clone(), stop.clone()));
     }
     drop(listener);
     connections.close();
     connections.wait().await;
 }
 
-async fn serve_connection(tcp: TcpStream, app: Router, stop: CancellationToken, head_timeout: Duration) {
+async fn serve_connection(tcp: TcpStream, http: http1::Builder, app: Router, stop: CancellationToken) {
     // Small SSE writes must leave at once: with Nagle's algorithm on, each
     // event after the first waits for the client's delayed ACK (~40 ms).
     let _ = tcp.set_nodelay(true);
-    let connection = http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(head_timeout)
-        .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app));
+    let connection = http.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app));
     let mut connection = std::pin::pin!(connection);
     let result = tokio::select! {
         result = connection.as_mut() => result,
@@ -91,15 +90,42 @@ async fn pause_after(error: io::Error) {
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
     use std::time::Duration;
 
     use axum::Router;
     use axum::routing::get;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
+    use tokio::task::JoinHandle;
     use tokio_util::sync::CancellationToken;
 
-    use super::{serve_http1, serve_http1_with};
+    use super::{HEAD_TIMEOUT, serve_http1_with};
+
+    /// The loop on a free port, serving `/quick` at once and `/slow` after
+    /// `slow`.
+    async fn start(slow: Duration, head_timeout: Duration) -> (SocketAddr, CancellationToken, JoinHandle<()>) {
+        let app = Router::new().route("/quick", get(|| async { "quick!" })).route(
+            "/slow",
+            get(move || async move {
+                tokio::time::sleep(slow).await;
+                "slow!"
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
+        let address = listener.local_addr().expect("address");
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve_http1_with(listener, app, stop.clone(), head_timeout));
+        (address, stop, server)
+    }
+
+    /// What the server sends until it closes the connection (at most 5 s).
+    async fn rest_until_closed(mut tcp: TcpStream) -> String {
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut rest)).await;
+        assert!(matches!(read, Ok(Ok(_))), "closed by the server: {read:?}");
+        String::from_utf8_lossy(&rest).into_owned()
+    }
 
     async fn get_on(tcp: &mut TcpStream, path: &str) -> String {
         let request = format!("GET {path} HTTP/1.1\r\nhost: arbor\r\n\r\n");
@@ -117,17 +143,7 @@ mod tests {
 
     #[tokio::test]
     async fn stopping_finishes_the_request_in_progress_and_does_not_wait_for_idle_connections() {
-        let app = Router::new().route("/quick", get(|| async { "quick!" })).route(
-            "/slow",
-            get(|| async {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                "slow!"
-            }),
-        );
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
-        let address = listener.local_addr().expect("address");
-        let stop = CancellationToken::new();
-        let server = tokio::spawn(serve_http1(listener, app, stop.clone()));
+        let (address, stop, server) = start(Duration::from_millis(300), HEAD_TIMEOUT).await;
 
         // A kept-alive connection that has had its answer and sits idle.
         let mut idle = TcpStream::connect(address).await.expect("connected");
@@ -146,37 +162,20 @@ mod tests {
             .await
             .expect("the idle connection did not hold the server")
             .expect("the accept loop ended cleanly");
-        let mut rest = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(5), idle.read_to_end(&mut rest)).await;
-        assert!(matches!(read, Ok(Ok(0))), "the idle connection was closed: {read:?}");
+        let rest = rest_until_closed(idle).await;
+        assert!(rest.is_empty(), "the idle connection was closed without more: {rest}");
         assert!(TcpStream::connect(address).await.is_err(), "no new connections once stopped");
     }
 
     #[tokio::test]
     async fn a_connection_that_sends_no_whole_head_in_time_is_closed() {
-        let app = Router::new().route("/quick", get(|| async { "quick!" })).route(
-            "/slow",
-            get(|| async {
-                tokio::time::sleep(Duration::from_millis(600)).await;
-                "slow!"
-            }),
-        );
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
-        let address = listener.local_addr().expect("address");
-        let stop = CancellationToken::new();
-        let server = tokio::spawn(serve_http1_with(listener, app, stop.clone(), Duration::from_millis(300)));
-        let closed_within = |mut tcp: TcpStream| async move {
-            let mut rest = Vec::new();
-            let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut rest)).await;
-            assert!(matches!(read, Ok(Ok(_))), "closed by the server: {read:?}");
-            String::from_utf8_lossy(&rest).into_owned()
-        };
+        let (address, stop, server) = start(Duration::from_millis(600), Duration::from_millis(300)).await;
 
         // Half a head, then nothing: closed without an answer to act on.
         let mut stalled = TcpStream::connect(address).await.expect("connected");
         stalled.write_all(b"GET /quick HTTP/1.1\r\nhost: ar").await.expect("sent");
         let started = std::time::Instant::now();
-        let answer = closed_within(stalled).await;
+        let answer = rest_until_closed(stalled).await;
         assert!(started.elapsed() >= Duration::from_millis(250), "not before the timeout");
         assert!(!answer.contains("quick!"), "{answer}");
 
@@ -184,7 +183,7 @@ mod tests {
         let mut idle = TcpStream::connect(address).await.expect("connected");
         let answer = get_on(&mut idle, "/quick").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        closed_within(idle).await;
+        rest_until_closed(idle).await;
 
         // One that keeps asking within the timeout is served every time,
         // and an answer that takes longer than the timeout is not cut.
