@@ -6,7 +6,7 @@
 //! Every read of user data takes the owner's id, so a query can never reach
 //! another user's rows. Ids and timestamps arrive made (by the engine) and are
 //! stored as given.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 #[macro_use]
 mod columns;

@@ -15,6 +15,8 @@
 
 mod packed;
 mod session;
+#[allow(unsafe_code)]
+mod vfs;
 mod worker;
 
 use std::collections::HashMap;
@@ -299,7 +301,11 @@ fn thread_error(error: std::io::Error) -> StoreError {
 /// Opens a connection to a database file in WAL mode.
 fn open_connection(path: &Path) -> StoreResult<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let connection = Connection::open_with_flags(path, flags)?;
+    // Through SQLite's unix VFS with the WAL's writes batched (see `vfs`).
+    let connection = match vfs::register() {
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs)?,
+        None => Connection::open_with_flags(path, flags)?,
+    };
     configure(&connection)?;
     // WAL: readers never block the writer nor the writer readers.
     let mode: String = connection.pragma_update_and_check(None, "journal_mode", "wal", |row| row.get(0))?;
