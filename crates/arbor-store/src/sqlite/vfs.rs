@@ -45,8 +45,11 @@ const FRAME_HEADER: usize = 24;
 /// taken for a full disk).
 const WRITE_LIMIT: usize = 0x1ffff & !0xfff;
 
-/// Appends held at most before they are written anyway.
-const BUFFER_LIMIT: usize = 4 << 20;
+/// Appends held at most before they are written anyway: one write of the
+/// unix VFS. A larger group commit goes out in writes of this size as it
+/// is appended (~30 frames each, already one call where there were 60),
+/// so the writer holds at most this much, however large the group.
+const BUFFER_LIMIT: usize = WRITE_LIMIT;
 
 /// Registers the VFS with SQLite once; returns its name, or `None` when
 /// SQLite has no default VFS to wrap (connections then use the default).
@@ -126,9 +129,6 @@ impl Pending {
             offset += chunk.len() as i64;
         }
         self.bytes.clear();
-        if self.bytes.capacity() > BUFFER_LIMIT {
-            self.bytes.shrink_to(BUFFER_LIMIT);
-        }
         rc
     }
 }
