@@ -6,6 +6,9 @@
 //! Every read of user data takes the owner's id, so a query can never reach
 //! another user's rows. Ids and timestamps arrive made (by the engine) and are
 //! stored as given.
+// `unsafe` is denied but for one module, `sqlite::vfs`, which forwards
+// SQLite's file calls to its unix VFS through its C interface (see there and
+// ARCHITECTURE.md for why).
 #![deny(unsafe_code)]
 
 #[macro_use]
