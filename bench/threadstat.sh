@@ -2,7 +2,8 @@
 # Per-thread cost of a JSON turn: runs Arbor (pinned to core 0, fresh SQLite
 # database) against the 0 ms mock (core 1), drives RATE turns/s for 12 s and
 # counts, over 5 s in the middle, each thread's CPU time, the SQLite
-# writer's pwrite, fcntl and sync calls (two pwrites per WAL frame; ~6 fcntl
+# writer's pwrite, fcntl and sync calls (about one pwrite per commit
+# through the arbor-unix VFS layer, two per WAL frame before it; ~5 fcntl
 # lock calls per commit), the tokio worker's pread and getrandom calls, and
 # the disk's write requests and cache flushes, divided by the turns in the
 # window. Alternate two builds to compare them; single runs vary by ~10% on
