@@ -40,16 +40,13 @@ pub(super) const NAME: &CStr = c"arbor-unix";
 /// A WAL frame header's size (the WAL format's, fixed).
 const FRAME_HEADER: usize = 24;
 
-/// The most the unix VFS writes in one call: it masks a write's length
-/// with 0x1ffff, so a longer one is cut (and one of exactly 128 KiB is
-/// taken for a full disk).
-const WRITE_LIMIT: usize = 0x1ffff & !0xfff;
-
-/// Appends held at most before they are written anyway: one write of the
-/// unix VFS. A larger group commit goes out in writes of this size as it
-/// is appended (~30 frames each, already one call where there were 60),
-/// so the writer holds at most this much, however large the group.
-const BUFFER_LIMIT: usize = WRITE_LIMIT;
+/// Appends held at most before they are written anyway: the most the unix
+/// VFS writes in one call (it masks a write's length with 0x1ffff, so a
+/// longer one came out short and the commit failed as "disk full"). A
+/// larger group commit goes out in writes of this size as it is appended
+/// (~30 frames each, one call where there were 60), so the writer holds at
+/// most this much, however large the group.
+const BUFFER_LIMIT: usize = 0x1ffff & !0xfff;
 
 /// Registers the VFS with SQLite once; returns its name, or `None` when
 /// SQLite has no default VFS to wrap (connections then use the default).
@@ -112,22 +109,15 @@ impl Pending {
             self.bytes.clear();
             return ffi::SQLITE_OK;
         }
-        // SAFETY: `real` is an open unix file (cleared when it closes).
-        let Some(write) = (unsafe { real_methods(self.real) }).xWrite else {
-            return ffi::SQLITE_IOERR_WRITE;
+        #[cfg(test)]
+        tests::WAL_WRITES.with(|count| count.set(count.get() + 1));
+        // SAFETY: `real` is an open unix file (cleared when it closes);
+        // `bytes` holds at most BUFFER_LIMIT bytes (see `write`).
+        let rc = unsafe {
+            (*self.real).pMethods.as_ref().and_then(|methods| methods.xWrite).map_or(ffi::SQLITE_IOERR_WRITE, |write| {
+                write(self.real, self.bytes.as_ptr().cast(), self.bytes.len() as c_int, self.offset)
+            })
         };
-        let mut rc = ffi::SQLITE_OK;
-        let mut offset = self.offset;
-        for chunk in self.bytes.chunks(WRITE_LIMIT) {
-            #[cfg(test)]
-            tests::WAL_WRITES.with(|count| count.set(count.get() + 1));
-            // SAFETY: as above; `chunk` holds its length in bytes.
-            rc = unsafe { write(self.real, chunk.as_ptr().cast(), chunk.len() as c_int, offset) };
-            if rc != ffi::SQLITE_OK {
-                break;
-            }
-            offset += chunk.len() as i64;
-        }
         self.bytes.clear();
         rc
     }
@@ -163,14 +153,32 @@ unsafe fn flush_own(file: *mut ffi::sqlite3_file) -> c_int {
     }
 }
 
-unsafe fn real(file: *mut ffi::sqlite3_file) -> *mut ffi::sqlite3_file {
-    // SAFETY: SQLite passes a file this VFS opened.
-    unsafe { (*file.cast::<BatchedFile>()).real }
+/// Calls `call` with the unix VFS's file under `file` and its methods.
+unsafe fn forward(
+    file: *mut ffi::sqlite3_file,
+    call: impl FnOnce(*mut ffi::sqlite3_file, &ffi::sqlite3_io_methods) -> c_int,
+) -> c_int {
+    // SAFETY: SQLite passes a file this VFS opened, and an open unix file
+    // has its methods set.
+    unsafe {
+        let real = (*file.cast::<BatchedFile>()).real;
+        call(real, &*(*real).pMethods)
+    }
 }
 
-unsafe fn real_methods<'a>(real: *mut ffi::sqlite3_file) -> &'a ffi::sqlite3_io_methods {
-    // SAFETY: an open unix file has its methods set.
-    unsafe { &*(*real).pMethods }
+/// Like [`forward`], after writing what `file` holds, for the calls that
+/// read, size, sync or change a WAL file and must see every write before.
+unsafe fn forward_flushed(
+    file: *mut ffi::sqlite3_file,
+    call: impl FnOnce(*mut ffi::sqlite3_file, &ffi::sqlite3_io_methods) -> c_int,
+) -> c_int {
+    // SAFETY: as in `forward`.
+    unsafe {
+        match flush_own(file) {
+            ffi::SQLITE_OK => forward(file, call),
+            failed => failed,
+        }
+    }
 }
 
 unsafe extern "C" fn open(
@@ -241,8 +249,7 @@ unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
         if let Some(pending) = &(*this).wal {
             pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).real = std::ptr::null_mut();
         }
-        let real = (*this).real;
-        let rc = real_methods(real).xClose.map_or(ffi::SQLITE_OK, |close| close(real));
+        let rc = forward(file, |real, methods| methods.xClose.map_or(ffi::SQLITE_OK, |close| close(real)));
         std::ptr::drop_in_place(this);
         if flushed != ffi::SQLITE_OK { flushed } else { rc }
     }
@@ -251,23 +258,22 @@ unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
 unsafe extern "C" fn read(file: *mut ffi::sqlite3_file, buffer: *mut c_void, amount: c_int, offset: i64) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let flushed = flush_own(file);
-        if flushed != ffi::SQLITE_OK {
-            return flushed;
-        }
-        let real = real(file);
-        real_methods(real).xRead.map_or(ffi::SQLITE_IOERR_READ, |read| read(real, buffer, amount, offset))
+        forward_flushed(file, |real, methods| {
+            methods.xRead.map_or(ffi::SQLITE_IOERR_READ, |read| read(real, buffer, amount, offset))
+        })
     }
 }
 
 unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, buffer: *const c_void, amount: c_int, offset: i64) -> c_int {
     // SAFETY: forwarded as SQLite called it; `buffer` holds `amount` bytes.
     unsafe {
-        let real = real(file);
+        let write_through = || {
+            forward(file, |real, methods| {
+                methods.xWrite.map_or(ffi::SQLITE_IOERR_WRITE, |write| write(real, buffer, amount, offset))
+            })
+        };
         let Some(wal) = &(*file.cast::<BatchedFile>()).wal else {
-            return real_methods(real)
-                .xWrite
-                .map_or(ffi::SQLITE_IOERR_WRITE, |write| write(real, buffer, amount, offset));
+            return write_through();
         };
         let mut pending = wal.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let appends = !pending.bytes.is_empty() && offset == pending.offset + pending.bytes.len() as i64;
@@ -275,6 +281,11 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, buffer: *const c_void, 
             let flushed = pending.flush();
             if flushed != ffi::SQLITE_OK {
                 return flushed;
+            }
+            if amount as usize > BUFFER_LIMIT {
+                // Larger than any frame (SQLite writes none such): passed
+                // on as it came, as without this layer.
+                return write_through();
             }
             pending.offset = offset;
         }
@@ -301,90 +312,72 @@ unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, buffer: *const c_void, 
 unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let flushed = flush_own(file);
-        if flushed != ffi::SQLITE_OK {
-            return flushed;
-        }
-        let real = real(file);
-        real_methods(real).xTruncate.map_or(ffi::SQLITE_IOERR_TRUNCATE, |truncate| truncate(real, size))
+        forward_flushed(file, |real, methods| {
+            methods.xTruncate.map_or(ffi::SQLITE_IOERR_TRUNCATE, |truncate| truncate(real, size))
+        })
     }
 }
 
 unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let flushed = flush_own(file);
-        if flushed != ffi::SQLITE_OK {
-            return flushed;
-        }
-        let real = real(file);
-        real_methods(real).xSync.map_or(ffi::SQLITE_IOERR_FSYNC, |sync| sync(real, flags))
+        forward_flushed(file, |real, methods| methods.xSync.map_or(ffi::SQLITE_IOERR_FSYNC, |sync| sync(real, flags)))
     }
 }
 
 unsafe extern "C" fn file_size(file: *mut ffi::sqlite3_file, size: *mut i64) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let flushed = flush_own(file);
-        if flushed != ffi::SQLITE_OK {
-            return flushed;
-        }
-        let real = real(file);
-        real_methods(real).xFileSize.map_or(ffi::SQLITE_IOERR_FSTAT, |file_size| file_size(real, size))
+        forward_flushed(file, |real, methods| {
+            methods.xFileSize.map_or(ffi::SQLITE_IOERR_FSTAT, |file_size| file_size(real, size))
+        })
     }
 }
 
 unsafe extern "C" fn lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
     // SAFETY: forwarded as SQLite called it.
-    unsafe {
-        let real = real(file);
-        real_methods(real).xLock.map_or(ffi::SQLITE_IOERR_LOCK, |lock| lock(real, level))
-    }
+    unsafe { forward(file, |real, methods| methods.xLock.map_or(ffi::SQLITE_IOERR_LOCK, |lock| lock(real, level))) }
 }
 
 unsafe extern "C" fn unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        real_methods(real).xUnlock.map_or(ffi::SQLITE_IOERR_UNLOCK, |unlock| unlock(real, level))
+        forward(file, |real, methods| methods.xUnlock.map_or(ffi::SQLITE_IOERR_UNLOCK, |unlock| unlock(real, level)))
     }
 }
 
 unsafe extern "C" fn check_reserved_lock(file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        real_methods(real).xCheckReservedLock.map_or(ffi::SQLITE_IOERR_CHECKRESERVEDLOCK, |check| check(real, out))
+        forward(file, |real, methods| {
+            methods.xCheckReservedLock.map_or(ffi::SQLITE_IOERR_CHECKRESERVEDLOCK, |check| check(real, out))
+        })
     }
 }
 
 unsafe extern "C" fn file_control(file: *mut ffi::sqlite3_file, op: c_int, argument: *mut c_void) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let flushed = flush_own(file);
-        if flushed != ffi::SQLITE_OK {
-            return flushed;
-        }
-        let real = real(file);
-        real_methods(real).xFileControl.map_or(ffi::SQLITE_NOTFOUND, |control| control(real, op, argument))
+        forward_flushed(file, |real, methods| {
+            methods.xFileControl.map_or(ffi::SQLITE_NOTFOUND, |control| control(real, op, argument))
+        })
     }
 }
 
 unsafe extern "C" fn sector_size(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: forwarded as SQLite called it.
-    unsafe {
-        let real = real(file);
-        real_methods(real).xSectorSize.map_or(4096, |sector_size| sector_size(real))
-    }
+    unsafe { forward(file, |real, methods| methods.xSectorSize.map_or(4096, |sector_size| sector_size(real))) }
 }
 
 unsafe extern "C" fn device_characteristics(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        real_methods(real).xDeviceCharacteristics.map_or(0, |characteristics| characteristics(real))
+        forward(file, |real, methods| methods.xDeviceCharacteristics.map_or(0, |characteristics| characteristics(real)))
     }
 }
+
+// The unix VFS's methods are version 3 (shared memory and mmap); were they
+// older, these answer as SQLite does for a file without them.
 
 unsafe extern "C" fn shm_map(
     file: *mut ffi::sqlite3_file,
@@ -395,24 +388,20 @@ unsafe extern "C" fn shm_map(
 ) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        let methods = real_methods(real);
-        match methods.xShmMap.filter(|_| methods.iVersion >= 2) {
+        forward(file, |real, methods| match methods.xShmMap.filter(|_| methods.iVersion >= 2) {
             Some(map) => map(real, region, size, extend, out),
             None => ffi::SQLITE_IOERR_SHMMAP,
-        }
+        })
     }
 }
 
 unsafe extern "C" fn shm_lock(file: *mut ffi::sqlite3_file, offset: c_int, count: c_int, flags: c_int) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        let methods = real_methods(real);
-        match methods.xShmLock.filter(|_| methods.iVersion >= 2) {
+        forward(file, |real, methods| match methods.xShmLock.filter(|_| methods.iVersion >= 2) {
             Some(lock) => lock(real, offset, count, flags),
             None => ffi::SQLITE_IOERR_SHMLOCK,
-        }
+        })
     }
 }
 
@@ -431,54 +420,45 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
     }
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        let methods = real_methods(real);
-        if let Some(barrier) = methods.xShmBarrier.filter(|_| methods.iVersion >= 2) {
-            barrier(real);
-        }
+        forward(file, |real, methods| {
+            if let Some(barrier) = methods.xShmBarrier.filter(|_| methods.iVersion >= 2) {
+                barrier(real);
+            }
+            ffi::SQLITE_OK
+        });
     }
 }
 
 unsafe extern "C" fn shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        let methods = real_methods(real);
-        match methods.xShmUnmap.filter(|_| methods.iVersion >= 2) {
+        forward(file, |real, methods| match methods.xShmUnmap.filter(|_| methods.iVersion >= 2) {
             Some(unmap) => unmap(real, delete),
             None => ffi::SQLITE_OK,
-        }
+        })
     }
 }
 
 unsafe extern "C" fn fetch(file: *mut ffi::sqlite3_file, offset: i64, amount: c_int, out: *mut *mut c_void) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let flushed = flush_own(file);
-        if flushed != ffi::SQLITE_OK {
-            return flushed;
-        }
-        let real = real(file);
-        let methods = real_methods(real);
-        match methods.xFetch.filter(|_| methods.iVersion >= 3) {
+        forward_flushed(file, |real, methods| match methods.xFetch.filter(|_| methods.iVersion >= 3) {
             Some(fetch) => fetch(real, offset, amount, out),
             None => {
                 *out = std::ptr::null_mut();
                 ffi::SQLITE_OK
             }
-        }
+        })
     }
 }
 
 unsafe extern "C" fn unfetch(file: *mut ffi::sqlite3_file, offset: i64, pointer: *mut c_void) -> c_int {
     // SAFETY: forwarded as SQLite called it.
     unsafe {
-        let real = real(file);
-        let methods = real_methods(real);
-        match methods.xUnfetch.filter(|_| methods.iVersion >= 3) {
+        forward(file, |real, methods| match methods.xUnfetch.filter(|_| methods.iVersion >= 3) {
             Some(unfetch) => unfetch(real, offset, pointer),
             None => ffi::SQLITE_OK,
-        }
+        })
     }
 }
 
