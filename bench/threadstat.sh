@@ -75,7 +75,8 @@ print(f"per turn at {turns // 5}/s: CPU {sum(cpu.values()):.0f} us (" +
       f"fcntl {total[(writer, 'syscalls:sys_enter_fcntl')] / turns:.1f}, "
       f"fsync {total[(writer, 'syscalls:sys_enter_fsync')] / turns:.2f} "
       f"fdatasync {total[(writer, 'syscalls:sys_enter_fdatasync')] / turns:.2f} "
-      f"(checkpointer {sum(total[('arbor-sqlite-ch', 'syscalls:sys_enter_' + call)] for call in ('fsync', 'fdatasync')) / turns:.2f}); "
+      f"(checkpointer {sum(total[('arbor-sqlite-ch', 'syscalls:sys_enter_' + call)] for call in ('fsync', 'fdatasync')) / turns:.2f}, "
+      f"pages copied {total[('arbor-sqlite-ch', 'syscalls:sys_enter_pwrite64')] / turns:.1f}); "
       f"context switches {sum(v for (t, e), v in total.items() if e == 'context-switches') / turns:.1f}")
 def switch_counts(path):
     counts = collections.defaultdict(lambda: [0, 0])
