@@ -4,7 +4,8 @@
 # counts, over 5 s in the middle, each thread's CPU time, the SQLite
 # writer's pwrite, fcntl and sync calls (about one pwrite per commit
 # through the arbor-unix VFS layer, two per WAL frame before it; ~5 fcntl
-# lock calls per commit), the tokio worker's pread and getrandom calls, and
+# lock calls per commit), the pages the checkpointer copies (its pwrite
+# calls), the tokio worker's pread and getrandom calls, and
 # the disk's write requests and cache flushes, divided by the turns in the
 # window. Alternate two builds to compare them; single runs vary by ~10% on
 # a shared VM (far more in a slow hour).

@@ -402,10 +402,7 @@ fn apply_migrations(connection: &mut Connection, version: i64) -> StoreResult<()
 /// of frames at once was measured to hurt the tail: with 4,096 at a time,
 /// p99 at 1,000 turns/s rose from ~12 to ~25 ms, and at 500/s from ~5 to
 /// ~8 ms. So from ~150 turns/s on, frames are copied at every look, a few
-/// hundred at a time. A look every 40 ms rather than every 10 copies
-/// 40% fewer pages a turn at 2,000 turns/s (a turn's commits rewrite the
-/// same few pages: the b-trees' right edges, the conversation's row), and
-/// halves the checkpointer's CPU (bench/analysis.md). The same goes for the stretch before the writer's own
+/// hundred at a time. The same goes for the stretch before the writer's own
 /// limit, past which the writer copies what is left itself while writes
 /// wait.
 const CHECKPOINT_FRAMES: std::ffi::c_int = 1024;
@@ -414,7 +411,11 @@ const CHECKPOINT_FRAMES: std::ffi::c_int = 1024;
 const CHECKPOINT_FAST: std::ffi::c_int = 500;
 const CHECKPOINT_WINDOW: Duration = Duration::from_millis(100);
 /// How often the background thread looks at the WAL's length while
-/// commits come.
+/// commits come. A turn's commits rewrite the same few pages (the b-trees'
+/// right edges, the conversation's row), so a longer look copies each of
+/// them once for more turns: at 2,000 turns/s, 40 ms rather than 10 copies
+/// ~40% fewer pages a turn and halves the checkpointer's CPU
+/// (bench/analysis.md).
 const CHECKPOINT_POLL: Duration = Duration::from_millis(40);
 /// After this long without a commit, whatever is left is copied too, so an
 /// idle database's file is up to date.
