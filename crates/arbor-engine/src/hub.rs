@@ -448,13 +448,10 @@ impl Hub {
         self.lock().next_seq - 1
     }
 
-    /// Subscribes a viewer to events from now on; returns the last seq
-    /// emitted before the subscription.
-    pub(crate) fn subscribe_live(&self) -> (i64, Subscription) {
-        let mut state = self.lock();
-        let receiver = self.add_viewer(&mut state);
-        let last = state.next_seq - 1;
-        (last, Subscription { backlog: Vec::new(), memory_from: state.next_seq, receiver })
+    /// The last seq emitted so far: a stream that starts after it sees
+    /// everything from now on.
+    pub(crate) fn last_seq(&self) -> i64 {
+        self.lock().next_seq - 1
     }
 
     /// Subscribes a viewer that has seen everything up to `after`.

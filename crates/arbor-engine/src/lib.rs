@@ -115,11 +115,17 @@ pub struct TurnHandle {
     /// The message the turn answers, when this submit recorded it now (not
     /// for a queued or merged submit, whose messages are recorded at start).
     pub user_message: Option<Node>,
-    pub events: EventStream,
+    events: stream::PendingEvents,
     outcome: watch::Receiver<Option<TurnOutcome>>,
 }
 
 impl TurnHandle {
+    /// The turn's own events, from its first (`turn.started`, or
+    /// `turn.queued`) to its `done` or `error`.
+    pub fn events(self) -> EventStream {
+        self.events.start()
+    }
+
     /// Waits until the turn has finished and been recorded.
     pub async fn outcome(mut self) -> EngineResult<TurnOutcome> {
         drop(self.events);
@@ -726,7 +732,8 @@ fn validate_message_id(id: &str) -> EngineResult<()> {
 mod tests {
     use super::*;
     use crate::writer::EventWriter;
-    use arbor_core::Message;
+    use arbor_core::{Event, Message};
+    use futures_util::StreamExt;
 
     /// Loads a hub the way `Engine::hub` does.
     fn load(hubs: &mut Hubs, writer: &EventWriter, id: &str) -> Arc<Hub> {
@@ -745,7 +752,7 @@ mod tests {
         let mut hubs = Hubs::new(2, usize::MAX);
         // c0 has a viewer and c1 is held by a request: neither may go.
         let c0 = load(&mut hubs, &writer, "c0");
-        let _viewer = c0.subscribe_live();
+        let _viewer = c0.subscribe(c0.last_seq());
         drop(c0);
         let _held = load(&mut hubs, &writer, "c1");
         for id in ["c2", "c3", "c4", "c5"] {
@@ -852,6 +859,67 @@ mod tests {
         assert_eq!(engine.loaded_conversations(), 1, "no sweep has come yet");
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(engine.loaded_conversations(), 0, "the timer's sweep sent the quiet conversation out");
+    }
+
+    async fn demo_engine() -> Engine {
+        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        let mut providers: HashMap<String, Arc<dyn arbor_providers::Provider>> = HashMap::new();
+        providers.insert("demo".into(), Arc::new(arbor_providers::demo::DemoProvider::default()));
+        let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
+            .expect("the demo model");
+        Engine::start(Arc::new(store), models, EngineConfig::default()).await.expect("starts")
+    }
+
+    async fn start_turn(engine: &Engine, user: &User, conversation: &str, text: &str) -> TurnHandle {
+        match engine.submit(user, conversation, Submit::message(text)).await.expect("submits") {
+            Submitted::Turn(handle) => *handle,
+            _ => panic!("no turn started"),
+        }
+    }
+
+    /// A caller that only waits for the outcome (a JSON turn) costs no
+    /// viewer: its conversation is never watched, so its events may wait
+    /// to be stored together.
+    #[tokio::test]
+    async fn a_turn_nobody_streams_leaves_its_conversation_unwatched() {
+        let engine = demo_engine().await;
+        let (user, _) = engine.create_user("ann", false).await.expect("user");
+        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
+        let handle = start_turn(&engine, &user, &conversation.id, "hello").await;
+        let hub = engine.hub_if_loaded(&conversation.id).expect("loaded while busy");
+        assert!(!hub.watched(), "watched before anyone asked for the events");
+        let outcome = handle.outcome().await.expect("outcome");
+        assert_eq!(outcome.turn.status, arbor_store::TurnStatus::Succeeded);
+        assert!(outcome.reply.is_some_and(|reply| reply.message.content.is_some()));
+        assert!(!hub.watched());
+    }
+
+    /// The stream asked for late (here after the turn has ended) is still the
+    /// turn's whole stream, from `turn.started` to `done`, each event once.
+    #[tokio::test]
+    async fn a_turn_stream_asked_for_late_starts_at_the_turn_start() {
+        let engine = demo_engine().await;
+        let (user, _) = engine.create_user("ann", false).await.expect("user");
+        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
+        let first = start_turn(&engine, &user, &conversation.id, "one").await.events();
+        let first: Vec<Event> = tokio::time::timeout(Duration::from_secs(10), first.collect()).await.expect("ends");
+
+        let second = start_turn(&engine, &user, &conversation.id, "two").await;
+        let turn_id = second.turn.id.clone();
+        // Let the turn run to its end, unwatched, before asking.
+        let hub = engine.hub_if_loaded(&conversation.id).expect("loaded");
+        while hub.idle_since().is_none() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let events: Vec<Event> =
+            tokio::time::timeout(Duration::from_secs(10), second.events().collect()).await.expect("ends");
+        let names: Vec<EventName> = events.iter().map(|event| event.name).collect();
+        assert_eq!(names.first(), Some(&EventName::TurnStarted), "{names:?}");
+        assert_eq!(names.last(), Some(&EventName::Done), "{names:?}");
+        assert!(names.contains(&EventName::Delta), "{names:?}");
+        assert!(events.iter().all(|event| event.turn_id.as_deref().is_none_or(|id| id == turn_id)), "{names:?}");
+        assert!(events.windows(2).all(|pair| pair[0].seq < pair[1].seq), "in order, each once");
+        assert!(events[0].seq > first.last().expect("first turn's events").seq, "nothing of the first turn");
     }
 
     #[tokio::test]

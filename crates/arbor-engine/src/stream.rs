@@ -41,6 +41,40 @@ impl Stream for EventStream {
     }
 }
 
+/// A turn's event stream before anyone asked for it: a JSON turn's caller
+/// only waits for the outcome, so it costs no subscription, no channel and
+/// no follower task, and its conversation stays unwatched (its events may
+/// wait to be stored together). The stream, when asked for, starts from the
+/// seq the turn started after: what came before the subscription is
+/// replayed from the hub's memory or the store, as for any viewer.
+pub(crate) struct PendingEvents {
+    store: Arc<dyn Store>,
+    hub: Arc<Hub>,
+    /// Taken when the turn was queued (under the hub's lock, with its place
+    /// in the queue); a started turn subscribes when asked.
+    subscription: Option<Subscription>,
+    after: i64,
+    until: Until,
+}
+
+impl PendingEvents {
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        hub: Arc<Hub>,
+        subscription: Option<Subscription>,
+        after: i64,
+        until: Until,
+    ) -> PendingEvents {
+        PendingEvents { store, hub, subscription, after, until }
+    }
+
+    pub(crate) fn start(self) -> EventStream {
+        let PendingEvents { store, hub, subscription, after, until } = self;
+        let subscription = subscription.unwrap_or_else(|| hub.subscribe(after));
+        follow(store, hub, subscription, after, until)
+    }
+}
+
 /// Starts following `hub` for a viewer that has seen everything up to `after`.
 pub(crate) fn follow(
     store: Arc<dyn Store>,

@@ -487,12 +487,11 @@ impl Inner {
             RunningTurn { turn_id: turn_id.clone(), cancel: cancel.clone(), reply_parent: reply_parent.clone() };
         match hub.claim_or_queue(running, queued, queue) {
             Slot::Claimed(queued) => {
-                let (last_seq, subscription) = hub.subscribe_live();
-                let events = stream::follow(
+                let events = stream::PendingEvents::new(
                     self.store.clone(),
                     hub.clone(),
-                    subscription,
-                    last_seq,
+                    None,
+                    hub.last_seq(),
                     Until::TurnEnds(turn_id.clone()),
                 );
                 let turn = queued.turn.clone();
@@ -517,10 +516,10 @@ impl Inner {
             }
             Slot::Busy { running } => Err(EngineError::TurnRunning { turn_id: running.to_string() }),
             Slot::Queued { turn, position, subscription, last_seq } => {
-                let events = stream::follow(
+                let events = stream::PendingEvents::new(
                     self.store.clone(),
                     hub.clone(),
-                    subscription,
+                    Some(subscription),
                     last_seq,
                     Until::TurnEnds(turn_id.clone()),
                 );
@@ -532,10 +531,10 @@ impl Inner {
                 let joined: Arc<str> = Arc::from(turn.id.as_str());
                 // The joined turn's row keeps every merged message durable.
                 self.store.update_turn(&turn).await?;
-                let events = stream::follow(
+                let events = stream::PendingEvents::new(
                     self.store.clone(),
                     hub.clone(),
-                    subscription,
+                    Some(subscription),
                     last_seq,
                     Until::TurnEnds(joined.clone()),
                 );

@@ -340,7 +340,7 @@ mod tests {
             .iter()
             .map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database, Default::default()))
             .collect();
-        let mut viewers: Vec<_> = hubs.iter().map(|hub| hub.subscribe_live().1.receiver).collect();
+        let mut viewers: Vec<_> = hubs.iter().map(|hub| hub.subscribe(hub.last_seq()).receiver).collect();
         // Emitted without yielding, so the writer takes them as one batch.
         for round in 0..3 {
             for hub in &hubs {
@@ -420,7 +420,7 @@ mod tests {
     async fn watched_events_are_stored_at_once() {
         let folder = tempfile::tempdir().expect("temp dir");
         let (_writer, hubs, store) = writer_holding(folder.path(), &["c1", "c2"], Duration::from_secs(60)).await;
-        let mut viewer = hubs[0].subscribe_live().1.receiver;
+        let mut viewer = hubs[0].subscribe(0).receiver;
         hubs[0].emit(None, EventName::Delta, &serde_json::json!({"n": 1}));
         let seen = tokio::time::timeout(Duration::from_secs(5), viewer.recv()).await.expect("in time").expect("event");
         assert_eq!((seen.seq, &*seen.data), (1, r#"{"n":1}"#));
@@ -459,9 +459,13 @@ mod tests {
     async fn a_dropped_stream_stops_watching_at_once() {
         let folder = tempfile::tempdir().expect("temp dir");
         let (_writer, hubs, store) = writer_holding(folder.path(), &["c1"], Duration::from_secs(60)).await;
-        let (last, subscription) = hubs[0].subscribe_live();
-        let stream =
-            crate::stream::follow(store.clone(), hubs[0].clone(), subscription, last, crate::stream::Until::Forever);
+        let stream = crate::stream::follow(
+            store.clone(),
+            hubs[0].clone(),
+            hubs[0].subscribe(0),
+            0,
+            crate::stream::Until::Forever,
+        );
         assert!(hubs[0].watched());
         drop(stream);
         let started = Instant::now();
