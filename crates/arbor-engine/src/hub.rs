@@ -37,8 +37,12 @@ use crate::writer::EventWriter;
 const BROADCAST_CAPACITY: usize = 32;
 /// Recent events kept in memory once stored (unstored ones are always kept).
 const RECENT_KEPT: usize = 4096;
-/// What stays of them once a turn has ended: enough for a viewer that
-/// reconnects right after `done`; one further back replays from the store.
+/// What stays of them once a turn has ended, in a conversation someone has
+/// watched on this node: enough for a viewer that reconnects right after
+/// `done`; one further back replays from the store. A conversation nobody
+/// has watched here (a JSON client's) keeps none: a first viewer replays
+/// from the store whatever is kept, and the few events were 14% of what
+/// the loaded conversations held at S2's 2,000/s (bench/analysis.md).
 const RECENT_BETWEEN_TURNS: usize = 8;
 
 /// The turn that holds the conversation's slot.
@@ -101,11 +105,14 @@ struct HubState {
     /// The live viewers' channel, while there are any. Made and dropped
     /// under this lock, so the broadcast order stays the seq order.
     sender: Option<broadcast::Sender<Event>>,
+    /// Whether anyone has watched this conversation here since it loaded.
+    watched_once: bool,
 }
 
 impl HubState {
     /// A receiver of every event published from now on.
     fn viewer(&mut self) -> broadcast::Receiver<Event> {
+        self.watched_once = true;
         self.sender.get_or_insert_with(|| broadcast::channel(BROADCAST_CAPACITY).0).subscribe()
     }
 
@@ -176,6 +183,7 @@ impl Hub {
                 queue: VecDeque::new(),
                 last_active: Instant::now(),
                 sender: None,
+                watched_once: false,
             }),
             writer,
             flushed: Arc::new(AtomicI64::new(last_seq)),
@@ -245,12 +253,11 @@ impl Hub {
     /// the writer may store a turn's last events after its end.
     fn trim_between_turns(&self, state: &mut HubState) {
         let flushed = self.flushed.load(Ordering::Acquire);
-        while state.recent.len() > RECENT_BETWEEN_TURNS
-            && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed)
-        {
+        let kept = if state.watched_once { RECENT_BETWEEN_TURNS } else { 0 };
+        while state.recent.len() > kept && state.recent.front().is_some_and(|oldest| oldest.seq <= flushed) {
             state.recent.pop_front();
         }
-        if state.recent.capacity() > 4 * RECENT_BETWEEN_TURNS.max(state.recent.len()) {
+        if state.recent.capacity() > 4 * kept.max(state.recent.len()) {
             state.recent.shrink_to_fit();
         }
     }

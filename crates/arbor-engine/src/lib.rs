@@ -804,9 +804,11 @@ mod tests {
         }
         assert_eq!(loaded(&hubs), ["b", "c"], "a and b did not fit together");
 
-        // The few events a quiet hub keeps count too: one can be a whole message.
+        // The few events a quiet hub keeps (one someone watched) count too: one can be a whole
+        // message.
         let mut hubs = Hubs::new(10, 250_000);
         let talkative = load(&mut hubs, &writer, "talkative");
+        drop(talkative.subscribe(0));
         talkative.emit(None, EventName::MessageNew, &serde_json::json!({"content": "x".repeat(300_000)}));
         drop(talkative);
         drop(load(&mut hubs, &writer, "plain"));
@@ -826,20 +828,28 @@ mod tests {
     async fn a_quiet_conversation_keeps_only_the_last_few_events_of_its_last_turn() {
         let writer = EventWriter::in_memory().await;
         let mut hubs = Hubs::new(10, usize::MAX);
-        let hub = load(&mut hubs, &writer, "c");
         let turn: Arc<str> = Arc::from("t1");
-        for index in 0..1_000 {
-            hub.emit(Some(&turn), EventName::TraceDelta, &serde_json::json!({"text": index}));
+        let mut at_the_end = HashMap::new();
+        for id in ["watched", "unwatched"] {
+            let hub = load(&mut hubs, &writer, id);
+            if id == "watched" {
+                // A viewer came and went during the turn.
+                drop(hub.subscribe(0));
+            }
+            for index in 0..1_000 {
+                hub.emit(Some(&turn), EventName::TraceDelta, &serde_json::json!({"text": index}));
+            }
+            // The turn ends before the writer has stored its events: they stay.
+            hub.finish(&turn, EventName::Done, &serde_json::json!({}));
+            at_the_end.insert(id, hub.size_in_memory());
+            assert!(at_the_end[id] > 1_000 * size_of::<arbor_core::Event>(), "{at_the_end:?}");
         }
-        // The turn ends before the writer has stored its events: they stay.
-        hub.finish(&turn, EventName::Done, &serde_json::json!({}));
-        let at_the_end = hub.size_in_memory();
-        assert!(at_the_end > 1_000 * size_of::<arbor_core::Event>(), "{at_the_end}");
-        drop(hub);
         writer.flush().await;
         hubs.sweep();
-        let quiet = hubs.map.get("c").expect("kept").size_in_memory();
-        assert!(quiet * 20 < at_the_end, "{quiet} bytes kept of {at_the_end}");
+        let quiet = |id: &str| hubs.map.get(id).expect("kept").size_in_memory();
+        // A tail for a viewer that reconnects; none where nobody watched.
+        assert!(quiet("watched") > 0 && quiet("watched") * 20 < at_the_end["watched"], "{}", quiet("watched"));
+        assert_eq!(quiet("unwatched"), 0, "no events (nor room for them) kept");
     }
 
     #[tokio::test]
