@@ -16,9 +16,15 @@ pub fn generate_key() -> String {
     format!("{KEY_PREFIX}{}", hex::encode(bytes))
 }
 
-/// The stored form of a key.
+/// The stored form of a key: the hex of [`key_digest`].
 pub fn hash_key(key: &str) -> String {
-    hex::encode(Sha256::digest(key.as_bytes()))
+    hex::encode(key_digest(key))
+}
+
+/// A key's SHA-256, what the engine's cache of recently seen keys is keyed by
+/// (no hex string made for a key the cache knows).
+pub fn key_digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
 }
 
 /// A user name: 1–64 characters of letters, digits, `-`, `_` or `.`.

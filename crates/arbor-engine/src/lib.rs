@@ -167,9 +167,9 @@ pub(crate) struct Inner {
     /// Cancelled when the shutdown grace period ends: running turns stop
     /// and are recorded as interrupted.
     pub interrupt: CancellationToken,
-    /// Recently seen API keys (hash → user, when checked), so that a busy
+    /// Recently seen API keys (SHA-256 → user, when checked), so that a busy
     /// client does not cost a database read per request.
-    key_cache: Mutex<HashMap<String, (User, Instant)>>,
+    key_cache: Mutex<HashMap<[u8; 32], (User, Instant)>>,
     /// Queued turns that just got their conversation's slot, for the
     /// launcher task to start.
     launcher: tokio::sync::mpsc::UnboundedSender<(Arc<Hub>, String, hub::QueuedTurn)>,
@@ -392,23 +392,23 @@ impl Engine {
 
     /// The user a bearer key belongs to.
     pub async fn authenticate(&self, key: &str) -> EngineResult<Option<User>> {
-        let hash = keys::hash_key(key);
+        let digest = keys::key_digest(key);
         {
             let cache = lock(&self.inner.key_cache);
-            if let Some((user, seen)) = cache.get(&hash)
+            if let Some((user, seen)) = cache.get(&digest)
                 && seen.elapsed() < KEY_CACHE_TTL
             {
                 return Ok(Some(user.clone()));
             }
         }
-        let user = self.inner.store.user_by_key_hash(&hash).await?;
+        let user = self.inner.store.user_by_key_hash(&hex::encode(digest)).await?;
         let mut cache = lock(&self.inner.key_cache);
         if cache.len() > 10_000 {
             cache.retain(|_, (_, seen)| seen.elapsed() < KEY_CACHE_TTL);
         }
         match &user {
-            Some(user) => cache.insert(hash, (user.clone(), Instant::now())),
-            None => cache.remove(&hash),
+            Some(user) => cache.insert(digest, (user.clone(), Instant::now())),
+            None => cache.remove(&digest),
         };
         Ok(user)
     }
