@@ -450,14 +450,9 @@ impl Hub {
         }
     }
 
-    /// The last seq published here.
-    pub(crate) fn last_published(&self) -> i64 {
-        self.lock().next_seq - 1
-    }
-
-    /// The last seq emitted so far: a stream that starts after it sees
+    /// The last seq published here: a stream that starts after it sees
     /// everything from now on.
-    pub(crate) fn last_seq(&self) -> i64 {
+    pub(crate) fn last_published(&self) -> i64 {
         self.lock().next_seq - 1
     }
 

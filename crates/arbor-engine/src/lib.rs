@@ -752,7 +752,7 @@ mod tests {
         let mut hubs = Hubs::new(2, usize::MAX);
         // c0 has a viewer and c1 is held by a request: neither may go.
         let c0 = load(&mut hubs, &writer, "c0");
-        let _viewer = c0.subscribe(c0.last_seq());
+        let _viewer = c0.subscribe(c0.last_published());
         drop(c0);
         let _held = load(&mut hubs, &writer, "c1");
         for id in ["c2", "c3", "c4", "c5"] {
@@ -854,30 +854,26 @@ mod tests {
 
     #[tokio::test]
     async fn quiet_conversations_leave_on_the_timer_when_no_new_one_comes() {
-        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
-        let mut providers: HashMap<String, Arc<dyn arbor_providers::Provider>> = HashMap::new();
-        providers.insert("demo".into(), Arc::new(arbor_providers::demo::DemoProvider::default()));
-        let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
-            .expect("the demo model");
-        let config = EngineConfig {
+        let engine = demo_engine(EngineConfig {
             idle_conversations_kept: 0,
             sweep_every: Duration::from_millis(20),
             ..EngineConfig::default()
-        };
-        let engine = Engine::start(Arc::new(store), models, config).await.expect("starts");
+        })
+        .await;
         drop(engine.hub("c1").await.expect("loads"));
         assert_eq!(engine.loaded_conversations(), 1, "no sweep has come yet");
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(engine.loaded_conversations(), 0, "the timer's sweep sent the quiet conversation out");
     }
 
-    async fn demo_engine() -> Engine {
+    /// An engine on an in-memory SQLite store whose one model is the offline demo.
+    async fn demo_engine(config: EngineConfig) -> Engine {
         let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
         let mut providers: HashMap<String, Arc<dyn arbor_providers::Provider>> = HashMap::new();
         providers.insert("demo".into(), Arc::new(arbor_providers::demo::DemoProvider::default()));
         let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
             .expect("the demo model");
-        Engine::start(Arc::new(store), models, EngineConfig::default()).await.expect("starts")
+        Engine::start(Arc::new(store), models, config).await.expect("starts")
     }
 
     async fn start_turn(engine: &Engine, user: &User, conversation: &str, text: &str) -> TurnHandle {
@@ -892,7 +888,7 @@ mod tests {
     /// to be stored together.
     #[tokio::test]
     async fn a_turn_nobody_streams_leaves_its_conversation_unwatched() {
-        let engine = demo_engine().await;
+        let engine = demo_engine(EngineConfig::default()).await;
         let (user, _) = engine.create_user("ann", false).await.expect("user");
         let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
         let handle = start_turn(&engine, &user, &conversation.id, "hello").await;
@@ -908,7 +904,7 @@ mod tests {
     /// turn's whole stream, from `turn.started` to `done`, each event once.
     #[tokio::test]
     async fn a_turn_stream_asked_for_late_starts_at_the_turn_start() {
-        let engine = demo_engine().await;
+        let engine = demo_engine(EngineConfig::default()).await;
         let (user, _) = engine.create_user("ann", false).await.expect("user");
         let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
         let first = start_turn(&engine, &user, &conversation.id, "one").await.events();

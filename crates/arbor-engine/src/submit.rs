@@ -491,7 +491,7 @@ impl Inner {
                     self.store.clone(),
                     hub.clone(),
                     None,
-                    hub.last_seq(),
+                    hub.last_published(),
                     Until::TurnEnds(turn_id.clone()),
                 );
                 let turn = queued.turn.clone();

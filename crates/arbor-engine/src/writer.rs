@@ -340,7 +340,7 @@ mod tests {
             .iter()
             .map(|id| Hub::new(id, 0, writer.clone(), Numbering::Database, Default::default()))
             .collect();
-        let mut viewers: Vec<_> = hubs.iter().map(|hub| hub.subscribe(hub.last_seq()).receiver).collect();
+        let mut viewers: Vec<_> = hubs.iter().map(|hub| hub.subscribe(hub.last_published()).receiver).collect();
         // Emitted without yielding, so the writer takes them as one batch.
         for round in 0..3 {
             for hub in &hubs {
