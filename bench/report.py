@@ -504,7 +504,9 @@ w("")
 w("## S3: streamed turns")
 w("")
 chunks = machine.get("chunks", "?")
-w(f"The mock streams {chunks} text chunks {machine.get('chunk_delay_ms', '?')} ms apart. TTFT = scheduled send → "
+w(f"The mock streams {chunks} text chunks {machine.get('chunk_delay_ms', '?')} ms apart, its pauses timed by a "
+  "thread of its own to within tens of microseconds (from 2026-12-04 19:00; before, tokio's millisecond timer made "
+  "them 5.8–6.4 ms and moved the direct and the Arbor runs differently). TTFT = scheduled send → "
   "first `delta` event (Arbor) or first chunk with text (direct). Gap = time between consecutive text "
   "deltas; *added gap* = Arbor's gap percentile minus the direct one.")
 w("")

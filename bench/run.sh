@@ -9,7 +9,8 @@
 # Environment: ARBOR_CORE / LOAD_CORE (default 0 / 1), S1_RATES, S2_RATES,
 # S3_RATES, S6_RATES, FLOOR_RATES (space-separated rates; FLOOR_RATES are the
 # S1 and S3 rates at which the floor runs too, default 100 500 1000 2000
-# 3000), ARBOR_BIN (another arbor binary, for A/B runs), BENCH_OUT (write
+# 3000), ARBOR_BIN and MOCK_BIN (another arbor or arbor-mock binary, for A/B
+# runs), BENCH_OUT (write
 # results and report there instead of bench/), LOAD_EXTRA (more arbor-bench load options), PG_URL (default
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
 # default: bench/.venv or the one on PATH; installed into bench/.venv when
@@ -54,6 +55,7 @@ BIN=$TARGET_DIR/$([[ $PROFILE == dev ]] && echo debug || echo "$PROFILE")
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-bench.XXXXXX")
 ARBOR_BIN=${ARBOR_BIN:-$BIN/arbor}
+MOCK_BIN=${MOCK_BIN:-$BIN/arbor-mock}
 if [[ -n "${BENCH_OUT:-}" ]]; then
   # Somewhere else (an A/B comparison): the committed results stay.
   RESULTS=$BENCH_OUT
@@ -100,7 +102,7 @@ fi
 # --- the mocks (OpenAI wire protocol, prebuilt bodies) ---------------------
 start_mock() { # PORT ARGS...
   local port=$1; shift
-  LD_PRELOAD=$NODELAY taskset -c "$LOAD_CORE" "$BIN/arbor-mock" --protocol openai --listen "127.0.0.1:$port" "$@" \
+  LD_PRELOAD=$NODELAY taskset -c "$LOAD_CORE" "$MOCK_BIN" --protocol openai --listen "127.0.0.1:$port" "$@" \
     >"$WORK/mock-$port.log" 2>&1 &
   PIDS+=($!)
   # Any answer (a 404 for GET /) means it listens.

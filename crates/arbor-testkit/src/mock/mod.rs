@@ -25,6 +25,7 @@
 mod anthropic;
 mod gemini;
 mod openai;
+mod pace;
 mod reply;
 mod wire;
 
@@ -546,7 +547,7 @@ fn quarters(body: &Bytes) -> Vec<Bytes> {
 /// Sleeps unless the server stops first.
 async fn pause(duration: Duration, shutdown: &CancellationToken) -> Result<(), ()> {
     tokio::select! {
-        () = tokio::time::sleep(duration) => Ok(()),
+        () = pace::sleep(duration) => Ok(()),
         () = shutdown.cancelled() => Err(()),
     }
 }
