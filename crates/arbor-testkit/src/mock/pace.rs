@@ -4,10 +4,9 @@
 //! mock's runtime is. In the twenty-seventh benchmark run the gaps between a
 //! directly streamed reply's chunks were p50 5.9 ms and the same mock's
 //! gaps through Arbor 6.2 ms, a difference that was the timer's, not
-//! Arbor's. A benchmark that
-//! compares time to first token through Arbor with the same mock called
-//! directly, to well under a millisecond, needs the mock's own pauses to be
-//! exact.
+//! Arbor's. A benchmark that compares the time to the first token through
+//! Arbor with the same mock called directly, to well under a millisecond,
+//! needs the mock's own pauses to be exact.
 //!
 //! So one thread keeps every pending deadline in a heap and sleeps on a
 //! condition variable until the earliest (the kernel's high-resolution
