@@ -114,6 +114,8 @@ async fn handle(State(served): State<Arc<Served>>, request: Request) -> Response
         return served.prebuilt.not_found(&parts.method, parts.uri.path());
     };
     if !served.header_delay.is_zero() {
+        // tokio's millisecond timer, not the chunks' exact one (mock/pace.rs):
+        // S2's 60 ms figures stay comparable with the runs before it.
         tokio::time::sleep(served.header_delay).await;
     }
     response.respond(served.chunk_delay, served.shutdown.clone())
