@@ -230,10 +230,26 @@ impl Hub {
     /// Records that this node wrote `nodes` (possibly none: a head move),
     /// taking the tree from `from_version` to `to_version`. A cache at any
     /// other version is dropped.
+    ///
+    /// Every write that adds messages or moves the head bumps the version
+    /// by one (the callers record only such writes), so the copy is
+    /// advanced only when `to_version` is one step from `from_version`: a
+    /// larger step means another node wrote in between, and its messages
+    /// are not in `nodes`. A conversation at version 0 has no
+    /// messages (the engine creates every conversation there and nothing
+    /// else writes without a bump), so its first write makes the copy
+    /// without reading the store: a new conversation's first turn builds
+    /// its context from memory.
     pub(crate) fn advance_tree(&self, from_version: i64, to_version: i64, nodes: &[Node]) {
+        let one_step = to_version == from_version + 1;
         let mut cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match cache.take() {
-            Some((version, mut tree)) if version == from_version => {
+        let base = match cache.take() {
+            Some((version, tree)) if version == from_version => Some(tree),
+            _ if from_version == 0 => Some(Arc::new(Tree::default())),
+            _ => None,
+        };
+        match base {
+            Some(mut tree) if one_step => {
                 let index = Arc::make_mut(&mut tree);
                 let before = index.size_in_memory();
                 for node in nodes {

@@ -777,6 +777,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_new_conversations_first_write_makes_its_tree_and_a_write_from_elsewhere_drops_it() {
+        let writer = EventWriter::in_memory().await;
+        let mut hubs = Hubs::new(10, usize::MAX);
+        let hub = load(&mut hubs, &writer, "c");
+        let user = Node::new("u1", "c", None, Message::user("hello"), 0);
+        hub.advance_tree(0, 1, std::slice::from_ref(&user));
+        let tree = hub.cached_tree(1).expect("version 0 has no messages: the first write is the whole tree");
+        assert_eq!(tree.path_to("u1").iter().map(|node| node.id.as_str()).collect::<Vec<_>>(), ["u1"]);
+        drop(tree);
+
+        let reply = Node::new("a1", "c", Some("u1".into()), Message::assistant("hi"), 1);
+        hub.advance_tree(1, 2, std::slice::from_ref(&reply));
+        let tree = hub.cached_tree(2).expect("advanced");
+        assert_eq!(tree.path_to("a1").iter().map(|node| node.id.as_str()).collect::<Vec<_>>(), ["u1", "a1"]);
+        drop(tree);
+
+        // Version 2 to 4 in one write of ours: another node wrote in between,
+        // and its messages are not ours to add.
+        let next = Node::new("u2", "c", Some("a1".into()), Message::user("more"), 2);
+        hub.advance_tree(2, 4, std::slice::from_ref(&next));
+        assert!(hub.cached_tree(4).is_none(), "a copy that may miss messages is dropped, not kept");
+        // The same from a new conversation another node wrote to first.
+        let fresh = load(&mut hubs, &writer, "d");
+        fresh.advance_tree(0, 2, &[Node::new("u1", "d", None, Message::user("hello"), 0)]);
+        assert!(fresh.cached_tree(2).is_none());
+    }
+
+    #[tokio::test]
     async fn quiet_conversations_whose_trees_do_not_fit_the_memory_limit_leave_most_recently_busy_kept() {
         let writer = EventWriter::in_memory().await;
         let mut hubs = Hubs::new(10, 250_000);
