@@ -13,6 +13,7 @@
 //! running turn, quota, unique message ids) also holds by the database's own
 //! constraints, exactly as on PostgreSQL.
 
+mod handoff;
 mod packed;
 mod session;
 #[allow(unsafe_code)]

@@ -25,7 +25,11 @@
 //! them until another write comes, or for at most [`DEFERRED_WAIT`], and
 //! commits them with it. A turn's events then ride in some turn's own
 //! commit instead of one of their own: at 500 turns/s the writer's commits
-//! per turn fell from about 4 to under 2 (bench/REPORT.md).
+//! per turn fell from about 4 to under 2 (bench/REPORT.md). A deferred
+//! write does not even wake the writer when it sleeps with a deadline
+//! (deferred writes already held, or within [`DEFERRED_WAIT`] of its last
+//! commit): it is taken when the writer wakes for the next write or for
+//! that deadline.
 //!
 //! A write someone waits on is durable when answered: with `sync_full` the
 //! group that holds one commits with `synchronous = FULL` (the WAL is
@@ -50,13 +54,13 @@ use std::cell::Cell;
 use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
+use super::handoff::{self, Next};
 use super::session::{Session, Statements};
 use crate::{StoreError, StoreResult};
 
@@ -83,38 +87,35 @@ type ReadJob = Box<dyn FnOnce(&Session<'_, '_>) + Send>;
 /// A queue of reads served by one or more threads, each with its own
 /// connection. Cloning shares the queue; the threads stop (closing their
 /// connections) once every clone is gone and the queue is drained.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(super) struct Readers {
-    jobs: mpsc::Sender<ReadJob>,
+    jobs: Arc<handoff::Sender<ReadJob>>,
+}
+
+impl std::fmt::Debug for Readers {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Readers").finish_non_exhaustive()
+    }
 }
 
 impl Readers {
     /// Starts one thread per connection, all taking jobs from one queue in
     /// arrival order.
     pub fn start(name: &str, connections: Vec<Connection>) -> std::io::Result<Readers> {
-        let (jobs, queue) = mpsc::channel::<ReadJob>();
-        let queue = Arc::new(Mutex::new(queue));
+        let (jobs, queue) = handoff::Sender::<ReadJob>::new();
         for (index, connection) in connections.into_iter().enumerate() {
             let queue = queue.clone();
             std::thread::Builder::new().name(format!("{name}-{index}")).spawn(move || {
                 let statements = Statements::default();
                 let session = Session::new(&connection, &statements);
-                loop {
-                    // The lock is held only while waiting for the next job:
-                    // the other threads queue for it, and one of them takes
-                    // the job after.
-                    let job = match queue.lock() {
-                        Ok(queue) => queue.recv(),
-                        Err(_) => return,
-                    };
-                    let Ok(job) = job else { return };
+                while let Next::Item(job) = queue.next(None) {
                     // A panicking job (a bug) loses its own reply, which its
                     // caller sees as an error; the thread serves on.
                     let _ = catch_unwind(AssertUnwindSafe(|| job(&session)));
                 }
             })?;
         }
-        Ok(Readers { jobs })
+        Ok(Readers { jobs: Arc::new(jobs) })
     }
 
     /// Runs `job` on one of the threads and returns its result.
@@ -124,13 +125,11 @@ impl Readers {
         F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         let (reply, result) = oneshot::channel();
-        self.jobs
-            .send(Box::new(move |connection: &Session<'_, '_>| {
-                // The caller may have stopped waiting (a cancelled request):
-                // the work is done all the same, only the answer is dropped.
-                let _ = reply.send(job(connection));
-            }))
-            .map_err(|_| no_answer())?;
+        self.jobs.send(Box::new(move |connection: &Session<'_, '_>| {
+            // The caller may have stopped waiting (a cancelled request):
+            // the work is done all the same, only the answer is dropped.
+            let _ = reply.send(job(connection));
+        }));
         result.await.map_err(|_| no_answer())?
     }
 }
@@ -199,8 +198,9 @@ type WriteBody = Box<dyn FnOnce(Result<&Session<'_, '_>, &str>) -> Option<Commit
 
 struct WriteJob {
     body: WriteBody,
-    /// Whether it may wait for company (see the module's documentation).
-    deferred: bool,
+    /// When it may wait for company until (see the module's
+    /// documentation); `None` for a write someone waits on.
+    due: Option<Instant>,
 }
 
 thread_local! {
@@ -288,9 +288,15 @@ fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()
 }
 
 /// The one thread that writes, with its connection.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(super) struct Writer {
-    jobs: mpsc::Sender<WriteJob>,
+    jobs: Arc<handoff::Sender<WriteJob>>,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Writer").finish_non_exhaustive()
+    }
 }
 
 impl Writer {
@@ -305,33 +311,40 @@ impl Writer {
         wal_length: WalLength,
         sync_full: bool,
     ) -> std::io::Result<Writer> {
-        let (jobs, queue) = mpsc::channel::<WriteJob>();
+        let (jobs, queue) = handoff::Sender::<WriteJob>::new();
         if wal_limit.is_some() {
             connection.wal_hook(Some(note_wal_pages));
         }
         std::thread::Builder::new().name(name.to_string()).spawn(move || {
+            // Should the thread stop (a panic outside a write), writes
+            // queued and to come are answered with an error, not awaited
+            // forever.
+            let _abandon = Abandon(&queue);
             let statements = Statements::default();
             let session = Session::new(&connection, &statements);
             let mut group = Group::default();
             let mut open = true;
             let mut synced = false;
+            // Until when the writer sleeps with a deadline after a commit.
+            let mut lingering: Option<Instant> = None;
             while open || !group.bodies.is_empty() {
                 while group.bodies.len() < MAX_GROUP
-                    && let Ok(job) = queue.try_recv()
+                    && let Some(job) = queue.try_next()
                 {
                     group.take(job);
                 }
                 if open && !group.is_due() {
                     // Nothing waited on is queued: sleep until a write comes
-                    // or the deferred ones are due.
-                    let next = match group.due {
-                        None => queue.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-                        Some(due) => queue.recv_timeout(due.saturating_duration_since(Instant::now())),
-                    };
-                    match next {
-                        Ok(job) => group.take(job),
-                        Err(mpsc::RecvTimeoutError::Timeout) => {}
-                        Err(mpsc::RecvTimeoutError::Disconnected) => open = false,
+                    // or the deferred ones are due. Sleeping with a deadline,
+                    // the writer is not woken for a deferred write (it goes
+                    // with the others when they are due), and it sleeps so
+                    // for `DEFERRED_WAIT` after each commit too: while turns
+                    // come, their events ride in their commits without a
+                    // wake-up of their own, and an idle writer stops waking.
+                    match queue.next(group.due.or(lingering)) {
+                        Next::Item(job) => group.take(job),
+                        Next::TimedOut => lingering = None,
+                        Next::Closed => open = false,
                     }
                     continue;
                 }
@@ -344,6 +357,7 @@ impl Writer {
                     }
                 }
                 commit_group(&session, group.drain());
+                lingering = Some(Instant::now() + DEFERRED_WAIT);
                 if let Some(limit) = wal_limit
                     && WAL_PAGES.get() > limit
                 {
@@ -359,7 +373,7 @@ impl Writer {
             }
             wal_length.close();
         })?;
-        Ok(Writer { jobs })
+        Ok(Writer { jobs: Arc::new(jobs) })
     }
 
     /// Runs `body` in a write transaction (committed with whatever other
@@ -404,8 +418,21 @@ impl Writer {
                 }
             }
         });
-        self.jobs.send(WriteJob { body, deferred }).map_err(|_| no_answer())?;
+        if deferred {
+            self.jobs.send_quiet(WriteJob { body, due: Some(Instant::now() + DEFERRED_WAIT) });
+        } else {
+            self.jobs.send(WriteJob { body, due: None });
+        }
         result.await.map_err(|_| no_answer())?
+    }
+}
+
+/// Abandons the writer's queue when dropped: when its thread stops.
+struct Abandon<'a>(&'a handoff::Handoff<WriteJob>);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        self.0.abandon();
     }
 }
 
@@ -429,8 +456,8 @@ impl Group {
     /// caller's next write comes after its last was answered), so their
     /// order in the transaction changes nothing they see.
     fn take(&mut self, job: WriteJob) {
-        if job.deferred {
-            self.due.get_or_insert_with(|| Instant::now() + DEFERRED_WAIT);
+        if let Some(due) = job.due {
+            self.due = Some(self.due.map_or(due, |earlier| earlier.min(due)));
             self.bodies.push(job.body);
         } else {
             self.bodies.insert(self.waited, job.body);
@@ -649,6 +676,25 @@ mod tests {
         let rows: i64 =
             writer.write(|c| Ok(c.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))?)).await.unwrap();
         assert_eq!(rows, 3);
+    }
+
+    #[tokio::test]
+    async fn after_a_commit_a_deferred_write_waits_its_turn_and_a_waited_one_does_not() {
+        let (writer, commits) = writer();
+        writer.write(insert(1)).await.expect("stored");
+        // Right after a commit the writer sleeps with a deadline; a deferred
+        // write does not wake it, and is committed alone when due.
+        let sent = Instant::now();
+        writer.write_deferred(insert(2)).await.expect("stored");
+        assert!(sent.elapsed() >= DEFERRED_WAIT, "it waited for company");
+        assert_eq!(commits.load(Ordering::SeqCst), 2);
+        // A write someone waits on wakes it at once, lingering or not.
+        for value in [3, 4] {
+            let sent = Instant::now();
+            writer.write(insert(value)).await.expect("stored");
+            assert!(sent.elapsed() < DEFERRED_WAIT / 2, "a waited-on write was held {:?}", sent.elapsed());
+        }
+        assert_eq!(commits.load(Ordering::SeqCst), 4);
     }
 
     #[tokio::test]
