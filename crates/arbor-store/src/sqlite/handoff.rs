@@ -19,7 +19,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// The queue, shared by one [`Sender`] and the threads that take from it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Handoff<T> {
     state: Mutex<State<T>>,
     ready: Condvar,
