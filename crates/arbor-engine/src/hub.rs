@@ -163,6 +163,17 @@ pub(crate) struct Subscription {
     pub receiver: broadcast::Receiver<Event>,
 }
 
+/// The tree at `version` known without the store: `cached` when it is at
+/// that version, the empty tree at version 0 (a new conversation has no
+/// messages: see [`Hub::advance_tree`]).
+fn known_tree(cached: Option<&(i64, Arc<Tree>)>, version: i64) -> Option<Arc<Tree>> {
+    match cached {
+        Some((at, tree)) if *at == version => Some(tree.clone()),
+        _ if version == 0 => Some(Arc::new(Tree::default())),
+        _ => None,
+    }
+}
+
 impl Hub {
     pub(crate) fn new(
         conversation_id: &str,
@@ -192,10 +203,11 @@ impl Hub {
         })
     }
 
-    /// The cached tree, if it is the one at `head_version`.
+    /// The tree at `head_version`, when known without the store: the
+    /// cached one at that version, or the empty tree of version 0.
     pub(crate) fn cached_tree(&self, head_version: i64) -> Option<Arc<Tree>> {
         let cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        cache.as_ref().filter(|(version, _)| *version == head_version).map(|(_, tree)| tree.clone())
+        known_tree(cache.as_ref(), head_version)
     }
 
     /// About how much memory the hub holds: its cached tree (0 without
@@ -243,11 +255,8 @@ impl Hub {
     pub(crate) fn advance_tree(&self, from_version: i64, to_version: i64, nodes: &[Node]) {
         let one_step = to_version == from_version + 1;
         let mut cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let base = match cache.take() {
-            Some((version, tree)) if version == from_version => Some(tree),
-            _ if from_version == 0 => Some(Arc::new(Tree::default())),
-            _ => None,
-        };
+        // Taken out, so the copy grows in place when nobody else holds it.
+        let base = known_tree(cache.take().as_ref(), from_version);
         match base {
             Some(mut tree) if one_step => {
                 let index = Arc::make_mut(&mut tree);

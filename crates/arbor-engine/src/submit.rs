@@ -343,12 +343,7 @@ impl Inner {
         if let Some(tree) = hub.cached_tree(head_version) {
             return Ok(tree);
         }
-        // Version 0 is a new conversation, with no messages (`Hub::advance_tree`).
-        let tree = if head_version == 0 {
-            Arc::new(Tree::default())
-        } else {
-            Arc::new(Tree::new(self.store.messages(conversation_id).await?))
-        };
+        let tree = Arc::new(Tree::new(self.store.messages(conversation_id).await?));
         hub.cache_tree(head_version, tree.clone());
         Ok(tree)
     }

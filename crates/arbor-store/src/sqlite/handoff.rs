@@ -15,7 +15,7 @@
 //! with nothing to do is woken for it.
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// The queue, shared by one [`Sender`] and the threads that take from it.
@@ -126,38 +126,52 @@ impl<T> Handoff<T> {
     }
 }
 
-/// The sending side: closes the queue when dropped.
-#[derive(Debug)]
-pub(super) struct Sender<T>(std::sync::Arc<Handoff<T>>);
+/// The sending side. Clones share the queue, which closes when the last
+/// of them is dropped.
+pub(super) struct Sender<T>(Arc<Closing<T>>);
+
+/// Closes the queue when dropped.
+struct Closing<T>(Arc<Handoff<T>>);
+
+impl<T> Drop for Closing<T> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Self {
+        Sender(self.0.clone())
+    }
+}
+
+impl<T> std::fmt::Debug for Sender<T> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Sender").finish_non_exhaustive()
+    }
+}
 
 impl<T> Sender<T> {
     /// A new queue: its sender, and the side the threads take from.
-    pub fn new() -> (Sender<T>, std::sync::Arc<Handoff<T>>) {
-        let queue = std::sync::Arc::new(Handoff { state: Mutex::new(State::default()), ready: Condvar::new() });
-        (Sender(queue.clone()), queue)
+    pub fn new() -> (Sender<T>, Arc<Handoff<T>>) {
+        let queue = Arc::new(Handoff { state: Mutex::new(State::default()), ready: Condvar::new() });
+        (Sender(Arc::new(Closing(queue.clone()))), queue)
     }
 
     /// Queues `item`, waking a thread that sleeps.
     pub fn send(&self, item: T) {
-        self.0.push(item, false);
+        self.0.0.push(item, false);
     }
 
     /// Queues `item`, waking only a thread that sleeps with nothing to do.
     pub fn send_quiet(&self, item: T) {
-        self.0.push(item, true);
-    }
-}
-
-impl<T> Drop for Sender<T> {
-    fn drop(&mut self) {
-        self.0.close();
+        self.0.0.push(item, true);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
     use std::time::Duration;
 
     /// Runs `next` on a thread of its own and says what it got and when.
@@ -255,10 +269,13 @@ mod tests {
         assert_eq!(queue.next(Some(Instant::now() + Duration::from_millis(5))), Next::TimedOut);
         assert_eq!(queue.next(Some(Instant::now())), Next::TimedOut, "a deadline already past");
 
+        // A clone keeps the queue open after the first sender goes.
+        let clone = sender.clone();
+        drop(sender);
         let waiting = taker(&queue, None);
         until_asleep(&queue, 1, false);
-        sender.send(7);
-        drop(sender);
+        clone.send(7);
+        drop(clone);
         // What was queued before the sender went is still taken.
         assert_eq!(waiting.join().expect("taker").0, Next::Item(7));
         let waiting = taker(&queue, None);

@@ -87,15 +87,9 @@ type ReadJob = Box<dyn FnOnce(&Session<'_, '_>) + Send>;
 /// A queue of reads served by one or more threads, each with its own
 /// connection. Cloning shares the queue; the threads stop (closing their
 /// connections) once every clone is gone and the queue is drained.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(super) struct Readers {
-    jobs: Arc<handoff::Sender<ReadJob>>,
-}
-
-impl std::fmt::Debug for Readers {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("Readers").finish_non_exhaustive()
-    }
+    jobs: handoff::Sender<ReadJob>,
 }
 
 impl Readers {
@@ -115,7 +109,7 @@ impl Readers {
                 }
             })?;
         }
-        Ok(Readers { jobs: Arc::new(jobs) })
+        Ok(Readers { jobs })
     }
 
     /// Runs `job` on one of the threads and returns its result.
@@ -288,15 +282,9 @@ fn note_wal_pages(_: &rusqlite::hooks::Wal, pages: c_int) -> rusqlite::Result<()
 }
 
 /// The one thread that writes, with its connection.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(super) struct Writer {
-    jobs: Arc<handoff::Sender<WriteJob>>,
-}
-
-impl std::fmt::Debug for Writer {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("Writer").finish_non_exhaustive()
-    }
+    jobs: handoff::Sender<WriteJob>,
 }
 
 impl Writer {
@@ -373,7 +361,7 @@ impl Writer {
             }
             wal_length.close();
         })?;
-        Ok(Writer { jobs: Arc::new(jobs) })
+        Ok(Writer { jobs })
     }
 
     /// Runs `body` in a write transaction (committed with whatever other
