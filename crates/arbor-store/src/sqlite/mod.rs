@@ -418,10 +418,15 @@ const CHECKPOINT_WINDOW: Duration = Duration::from_millis(100);
 /// How often the background thread looks at the WAL's length while
 /// commits come. A turn's commits rewrite the same few pages (the b-trees'
 /// right edges, the conversation's row), so a longer look copies each of
-/// them once for more turns: at 2,000 turns/s, 40 ms rather than 10 copies
-/// ~40% fewer pages a turn and halves the checkpointer's CPU
+/// them once for more turns: at 2,000 turns/s, 40 ms rather than 10 copied
+/// ~40% fewer pages a turn and halved the checkpointer's CPU. But each look
+/// copies its pages in one go on Arbor's one core, which holds the turns'
+/// threads back meanwhile: since the copies' database fsync moved to this
+/// thread, 20 ms had a lower p99 than 40 at 1,000 and 2,000 turns/s
+/// (2.0–2.3 against 2.2–2.6 ms, 3.6–4.1 against 4.1–4.9 ms) for the same
+/// CPU a turn, and 10 ms cost ~30 µs more CPU a turn at 1,000/s
 /// (bench/analysis.md).
-const CHECKPOINT_POLL: Duration = Duration::from_millis(40);
+const CHECKPOINT_POLL: Duration = Duration::from_millis(20);
 /// After this long without a commit, whatever is left is copied too, so an
 /// idle database's file is up to date.
 const CHECKPOINT_IDLE: Duration = Duration::from_secs(2);
