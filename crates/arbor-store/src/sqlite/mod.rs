@@ -206,7 +206,7 @@ impl SqliteStore {
                 .map_err(|error| StoreError::Database(format!("cannot create {}: {error}", parent.display())))?;
         }
         let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 4);
-        let (writer, reader_connections, point_connections, checkpointer) = blocking(move || {
+        let (writer, reader_connections, point_connections, (checkpointer, database)) = blocking(move || {
             let mut writer = open_connection(&path)?;
             // A checkpoint copies the WAL into the database file and fsyncs
             // both, which takes milliseconds on a real disk. SQLite runs one
@@ -237,7 +237,7 @@ impl SqliteStore {
                 .map_err(thread_error)?;
         std::thread::Builder::new()
             .name("arbor-sqlite-checkpoint".into())
-            .spawn(move || checkpoint_wal(&checkpointer.0, &checkpointer.1, &watched_length, wal_limit))
+            .spawn(move || checkpoint_wal(&checkpointer, &database, &watched_length, wal_limit))
             .map_err(thread_error)?;
         Ok(SqliteStore {
             writer,
@@ -1676,8 +1676,9 @@ mod tests {
             let file = std::fs::File::open(&path).expect("opens the file");
             std::thread::spawn(move || checkpoint_wal(&connection, &file, &wal, 1 << 20))
         };
-        // Fast writes, one commit each: copied at the thread's next look.
-        for value in 0..600 {
+        // A commit each, at least a frame each: more than the thread lets
+        // wait, so it copies them at its next look.
+        for value in 0..i64::from(CHECKPOINT_FRAMES) + 100 {
             writer.execute("INSERT INTO t VALUES (?)", [value]).expect("inserts");
             wal.set(frames());
         }
