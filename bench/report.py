@@ -122,6 +122,12 @@ def mib(kib):
     return "—" if kib is None else f"{kib / 1024:.1f} MiB"
 
 
+def core_text(p):
+    """Arbor's core over the runs: idle and stolen shares (medians), or a dash for runs before they were read."""
+    idle, steal = p.get("server_core_idle_percent"), p.get("server_core_steal_percent")
+    return "—" if idle is None or steal is None else f"{idle:.0f}% / {steal:.1f}%"
+
+
 def success_text(p):
     text = f"{p.success:.2f}%" if not p.all_ok else "100%"
     if p.errors:
@@ -454,12 +460,14 @@ w("JSON mode (`POST /v1/conversations/{id}/messages`, no `Accept: text/event-str
   "Arbor's own measure of each turn's time outside the provider call (`x-arbor-overhead-us`); *store "
   "wait* is the part of it spent waiting for the turn's two durable writes (`x-arbor-store-wait-us`: "
   "its start, before the call, and its end, before the answer); *the rest* is each turn's header "
-  "minus its store wait: Arbor's own work on the turn and its waits for the CPU.")
+  "minus its store wait: Arbor's own work on the turn and its waits for the CPU. *Core idle / stolen* is "
+  "how much of Arbor's core (from `/proc/stat`) was idle over the run, and how much the hypervisor took "
+  "for other guests while it had work (steal): what Arbor could not use, whatever its code.")
 w("")
 w("| rate | achieved | success | direct p50 / p99 | Arbor p50 / p95 / p99 | overhead p50 / p99 "
   "| header p50 / p99 | store wait p50 / p99 | the rest p50 / p99 | metric p50 / p99 | Arbor CPU "
-  "| CPU per turn | peak RSS |")
-w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  "| CPU per turn | core idle / stolen | peak RSS |")
+w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for rate in s1_rates:
     p = point("S1", rate, "sqlite")
     base = point("S0", rate)
@@ -471,7 +479,7 @@ for rate in s1_rates:
       f"| {p50_p99(p, 'header_store_wait_us')} | {p50_p99(p, 'header_rest_us')} "
       f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
       f"| {p.get('server_cpu_percent') or 0:.0f}% | {us(p.get('server_cpu_us_per_request'))} "
-      f"| {mib(p.get('server_peak_rss_kib'))} |")
+      f"| {core_text(p)} | {mib(p.get('server_peak_rss_kib'))} |")
 w("")
 w(f"Knee (highest rate with 100% success and p99 overhead < 1 ms, external and Arbor's own): **{rate_text(knee) if knee else 'none'}**. "
   f"Highest rate sustained (100% success, median under 20 ms): "
@@ -517,8 +525,8 @@ if rates("S3-nodelay", "sqlite"):
     w("")
 w("| Arbor | rate | success | TTFT direct p50 / p99 | TTFT Arbor p50 / p99 | TTFT overhead p50 / p99 | first event p50 / p99 "
   "| gap direct p50 / p99 | gap Arbor p50 / p99 | added gap p50 / p99 | done overhead p50 / p99 | metric p50 / p99 "
-  "| Arbor CPU |")
-w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  "| Arbor CPU | core idle / stolen |")
+w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for scenario, label in [("S3", "as built"), ("S3-nodelay", "nodelay")]:
     for rate in rates(scenario, "sqlite"):
         p = point(scenario, rate, "sqlite")
@@ -534,7 +542,7 @@ for scenario, label in [("S3", "as built"), ("S3-nodelay", "nodelay")]:
           f"| {pair(overhead(p, base, 'delta_gap_us', 'p50'), overhead(p, base, 'delta_gap_us', 'p99'))} "
           f"| {pair(overhead(p, base, 'latency_us', 'p50'), overhead(p, base, 'latency_us', 'p99'))} "
           f"| {pair(p.get('metric_overhead_us', 0), p.get('metric_overhead_us', 1))} "
-          f"| {p.get('server_cpu_percent') or 0:.0f}% |")
+          f"| {p.get('server_cpu_percent') or 0:.0f}% | {core_text(p)} |")
 w("")
 
 # ---------------------------------------------------------------- S4

@@ -143,6 +143,11 @@ struct RunReport {
     server_cpu_us_per_request: Option<f64>,
     /// Server CPU use over the run, in percent of one core.
     server_cpu_percent: Option<f64>,
+    /// The share of the server's core that was idle during the run, and
+    /// the share the hypervisor took for other guests (steal), in percent;
+    /// when the server is pinned to one core.
+    server_core_idle_percent: Option<f64>,
+    server_core_steal_percent: Option<f64>,
     /// Server peak RSS during the run (VmHWM after a reset), KiB.
     server_peak_rss_kib: Option<u64>,
     server_rss_kib: Option<u64>,
@@ -282,11 +287,16 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
             stats::reset_peak_rss(pid);
         }
         let cpu_before = args.server_pid.and_then(stats::cpu_time);
+        let core = args.server_pid.and_then(stats::pinned_core);
+        let core_before = core.and_then(stats::core_times);
         let started_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis());
         let started = Instant::now();
         let recorder = drive(&shared, args.duration).await;
         let elapsed = started.elapsed();
         let cpu_after = args.server_pid.and_then(stats::cpu_time);
+        let core_shares = core_before
+            .zip(core.and_then(stats::core_times))
+            .and_then(|(before, after)| stats::core_shares(before, after));
         let memory = args.server_pid.and_then(stats::memory_kib);
         let metrics_after = scrape_overhead(&shared).await;
 
@@ -325,6 +335,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
                 .filter(|_| recorder.ok > 0)
                 .map(|cpu| cpu.as_micros() as f64 / recorder.ok as f64),
             server_cpu_percent: server_cpu.map(|cpu| 100.0 * cpu.as_secs_f64() / elapsed.as_secs_f64()),
+            server_core_idle_percent: core_shares.map(|(idle, _)| idle),
+            server_core_steal_percent: core_shares.map(|(_, steal)| steal),
             server_peak_rss_kib: memory.map(|(peak, _)| peak),
             server_rss_kib: memory.map(|(_, now)| now),
         };
@@ -348,7 +360,7 @@ fn print_summary(report: &RunReport) {
         summary.map_or_else(|| "-".to_string(), |summary| format!("p50 {} p99 {}", summary.p50, summary.p99))
     };
     eprintln!(
-        "[{} {}{} {} rps] run {}: {}/{} ok, {:.0} rps, latency µs {}, ttft µs {}, header overhead µs {} (store wait {}, the rest {}), metric overhead µs {:?}, peak rss {:?} KiB, errors {:?}",
+        "[{} {}{} {} rps] run {}: {}/{} ok, {:.0} rps, latency µs {}, ttft µs {}, header overhead µs {} (store wait {}, the rest {}), metric overhead µs {:?}, peak rss {:?} KiB, server core idle / stolen % {}, errors {:?}",
         report.scenario,
         target_name(report.target),
         if report.stream { " stream" } else { "" },
@@ -364,6 +376,10 @@ fn print_summary(report: &RunReport) {
         percentiles(&report.header_rest_us),
         report.metric_overhead_us,
         report.server_peak_rss_kib,
+        report
+            .server_core_idle_percent
+            .zip(report.server_core_steal_percent)
+            .map_or_else(|| "-".to_string(), |(idle, steal)| format!("{idle:.1} / {steal:.1}")),
         report.errors,
     );
 }

@@ -126,6 +126,51 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
     Some(Duration::from_millis(ticks * 10))
 }
 
+/// A CPU core's time so far, from `/proc/stat`, in USER_HZ ticks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoreTimes {
+    /// Idle, or idle waiting for I/O.
+    pub idle: u64,
+    /// Taken by the hypervisor for other guests while this core had work.
+    pub steal: u64,
+    /// All of it (user, nice, system, idle, iowait, irq, softirq, steal).
+    pub total: u64,
+}
+
+/// `core`'s times so far.
+pub fn core_times(core: usize) -> Option<CoreTimes> {
+    parse_core_times(&std::fs::read_to_string("/proc/stat").ok()?, core)
+}
+
+fn parse_core_times(stat: &str, core: usize) -> Option<CoreTimes> {
+    let name = format!("cpu{core}");
+    let line = stat.lines().find(|line| line.split_whitespace().next() == Some(name.as_str()))?;
+    let ticks: Vec<u64> = line.split_whitespace().skip(1).map(|field| field.parse().ok()).collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal, then guest times that
+    // `user` and `nice` already count.
+    let field = |index: usize| ticks.get(index).copied().unwrap_or(0);
+    Some(CoreTimes { idle: field(3) + field(4), steal: field(7), total: (0..8).map(field).sum() })
+}
+
+/// The shares of a core's time between two readings, in percent: (idle,
+/// stolen). `None` when no tick passed.
+pub fn core_shares(before: CoreTimes, after: CoreTimes) -> Option<(f64, f64)> {
+    let total = after.total.checked_sub(before.total).filter(|&total| total > 0)? as f64;
+    let share = |now: u64, then: u64| 100.0 * now.saturating_sub(then) as f64 / total;
+    Some((share(after.idle, before.idle), share(after.steal, before.steal)))
+}
+
+/// The core a process is pinned to (`taskset -c N`), when it may run on
+/// exactly one.
+pub fn pinned_core(pid: u32) -> Option<usize> {
+    parse_pinned_core(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+fn parse_pinned_core(status: &str) -> Option<usize> {
+    // A list such as `0-1` or `0,2` is not one core, and does not parse.
+    status.lines().find_map(|line| line.strip_prefix("Cpus_allowed_list:"))?.trim().parse().ok()
+}
+
 /// `(VmHWM, VmRSS)` of a process in KiB.
 pub fn memory_kib(pid: u32) -> Option<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -145,6 +190,39 @@ pub fn reset_peak_rss(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cores_idle_and_stolen_time_is_read_from_its_own_line() {
+        let stat = "cpu  143794 0 33554 269548 5723 0 6303 1019 0 0\n\
+                    cpu0 71371 0 18791 133489 4753 0 2181 472 0 0\n\
+                    cpu1 78423 0 14763 131059 976 0 4122 547 0 0\n\
+                    cpu10 1 1 1 1 1 1 1 1 0 0\n\
+                    intr 123\n";
+        let cpu1 = parse_core_times(stat, 1).unwrap();
+        assert_eq!(cpu1, CoreTimes { idle: 131059 + 976, steal: 547, total: 78423 + 14763 + 131059 + 976 + 4122 + 547 });
+        assert_eq!(parse_core_times(stat, 10).unwrap().total, 8);
+        assert_eq!(parse_core_times(stat, 2), None);
+    }
+
+    #[test]
+    fn shares_are_of_the_ticks_between_two_readings() {
+        let before = CoreTimes { idle: 100, steal: 10, total: 1000 };
+        let after = CoreTimes { idle: 140, steal: 50, total: 1500 };
+        assert_eq!(core_shares(before, after), Some((8.0, 8.0)));
+        assert_eq!(core_shares(after, after), None);
+    }
+
+    #[test]
+    fn a_process_is_pinned_only_when_it_may_run_on_one_core() {
+        let status = |list: &str| format!("Name:\tarbor\nCpus_allowed:\t3\nCpus_allowed_list:\t{list}\nMems_allowed:\t1\n");
+        assert_eq!(parse_pinned_core(&status("0")), Some(0));
+        assert_eq!(parse_pinned_core(&status("13")), Some(13));
+        assert_eq!(parse_pinned_core(&status("0-1")), None);
+        assert_eq!(parse_pinned_core(&status("0,2")), None);
+        assert_eq!(parse_pinned_core("Name:\tarbor\n"), None);
+        // This process's own status parses, whatever its affinity.
+        let _ = pinned_core(std::process::id());
+    }
 
     #[test]
     fn bucket_quantiles_interpolate_inside_the_bucket_of_the_rank() {
