@@ -207,9 +207,15 @@ w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.g
      if durable_commits else
      f"`?synchronous={machine['sqlite_sync']}` (no fsync per commit; a power loss can lose the last commits)")
   + ".")
+stolen = [run["server_core_steal_percent"] for run in loads
+          if run.get("server_core_steal_percent") is not None and run["target"] == "arbor"]
 if calibration:
     w("")
     w(f"This hour's machine: {calibration}. Compare runs only where these agree.")
+if stolen:
+    w("")
+    w(f"The hypervisor took {min(stolen):.1f}–{max(stolen):.1f}% of Arbor's core for other guests over the "
+      f"runs against Arbor (median {median(stolen):.1f}%; `/proc/stat` steal, per run in the S1 and S3 tables).")
 if machine.get("smoke"):
     w("")
     w("**Smoke run** (dev build, tiny rates): these numbers say nothing about performance.")
