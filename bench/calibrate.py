@@ -5,7 +5,9 @@ arriving at a quiet server; on a VM an idle core's wake-up can cost far
 more than a busy one's), an fdatasync on the data directory's disk (a
 durable turn makes two) back to back and 5 ms apart (what a quiet
 server's commits pay; on some filesystems more, see ARCHITECTURE.md),
-and plain CPU. A shared VM varies by several times between hours; the
+plain CPU (a loop that stays in cache), and memory (a copy larger than
+the caches: a neighbour's memory traffic slows it while the CPU loop
+does not notice). A shared VM varies by several times between hours; the
 report prints these beside the run so that two runs can be compared
 knowing whether the machine under them changed.
 
@@ -81,6 +83,21 @@ def spin():
     return best
 
 
+def copy(megabytes=64):
+    """The best of five copies of `megabytes` into memory already touched
+    (so page faults are not in it), in milliseconds."""
+    source = bytes(megabytes << 20)
+    target = bytearray(len(source))
+    target[:] = source
+    best = None
+    for _ in range(5):
+        start = time.perf_counter()
+        target[:] = source
+        elapsed = (time.perf_counter() - start) * 1e3
+        best = elapsed if best is None else min(best, elapsed)
+    return best
+
+
 def main(folder, core):
     hops = handoff(core)
     other = (core + 1) % os.cpu_count()
@@ -97,6 +114,7 @@ def main(folder, core):
         "fdatasync_paused_us_p50": round(percentile(paused, 0.5), 1),
         "fdatasync_paused_us_p99": round(percentile(paused, 0.99), 1),
         "spin_ms": round(spin(), 1),
+        "copy_64mib_ms": round(copy(), 1),
     }))
 
 

@@ -182,10 +182,13 @@ def calibration_text(start, end):
     paused = ""
     if any(c and c.get("fdatasync_paused_us_p50") is not None for c in (start, end)):
         paused = f", the same 5 ms apart p50 {one('fdatasync_paused_us_p50', 'µs')}"
+    copied = ""
+    if any(c and c.get("copy_64mib_ms") is not None for c in (start, end)):
+        copied = f", a 64 MiB memory copy {one('copy_64mib_ms', 'ms')}"
     return (f"`bench/calibrate.py` at the start → end: same-core hand-off round trip p50 "
             f"{one('handoff_rt_us_p50', 'µs')}, round trip to a process on Arbor's idle core p50 "
             f"{one('idle_wake_rt_us_p50', 'µs')}, 4 KiB write + `fdatasync` p50 {one('fdatasync_us_p50', 'µs')} "
-            f"(p99 {one('fdatasync_us_p99', 'µs')}){paused}, CPU loop {one('spin_ms', 'ms')}")
+            f"(p99 {one('fdatasync_us_p99', 'µs')}){paused}, CPU loop {one('spin_ms', 'ms')}{copied}")
 
 
 calibration = calibration_text(machine.get("calibration_start"), machine.get("calibration_end"))
