@@ -199,7 +199,10 @@ mod tests {
                     cpu10 1 1 1 1 1 1 1 1 0 0\n\
                     intr 123\n";
         let cpu1 = parse_core_times(stat, 1).unwrap();
-        assert_eq!(cpu1, CoreTimes { idle: 131059 + 976, steal: 547, total: 78423 + 14763 + 131059 + 976 + 4122 + 547 });
+        assert_eq!(
+            cpu1,
+            CoreTimes { idle: 131059 + 976, steal: 547, total: 78423 + 14763 + 131059 + 976 + 4122 + 547 }
+        );
         assert_eq!(parse_core_times(stat, 10).unwrap().total, 8);
         assert_eq!(parse_core_times(stat, 2), None);
     }
@@ -214,7 +217,8 @@ mod tests {
 
     #[test]
     fn a_process_is_pinned_only_when_it_may_run_on_one_core() {
-        let status = |list: &str| format!("Name:\tarbor\nCpus_allowed:\t3\nCpus_allowed_list:\t{list}\nMems_allowed:\t1\n");
+        let status =
+            |list: &str| format!("Name:\tarbor\nCpus_allowed:\t3\nCpus_allowed_list:\t{list}\nMems_allowed:\t1\n");
         assert_eq!(parse_pinned_core(&status("0")), Some(0));
         assert_eq!(parse_pinned_core(&status("13")), Some(13));
         assert_eq!(parse_pinned_core(&status("0-1")), None);
