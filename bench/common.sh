@@ -78,6 +78,23 @@ start_pair0() { # ARBOR_BIN [DELAY_MS]
   await_arbor 100 0.2
 }
 
+# Drives RATE JSON turns/s at the Arbor on port 8080 from core 1 in the
+# background (a 2 s warm-up, then one 12 s run, logged to $WORK/load.log),
+# sets LOAD_PID and returns 5 s in: a script measures in the load's middle,
+# then calls `load_result`.
+start_load12() { # RATE SCENARIO
+  taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
+    --rate "$1" --duration 12 --warmup 2 --runs 1 --scenario "$2" >"$WORK/load.log" 2>&1 &
+  LOAD_PID=$!
+  sleep 5
+}
+
+# Waits for `start_load12`'s load to end and prints its run's line.
+load_result() {
+  wait "$LOAD_PID"
+  grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"
+}
+
 # Waits until Arbor answers on port 8080 (TRIES polls PAUSE seconds apart)
 # and exports the admin key it printed to $WORK/stdout as ARBOR_BENCH_KEY.
 await_arbor() { # TRIES PAUSE

@@ -38,10 +38,7 @@ if [[ ${LIMITED:-0} == 1 ]]; then
   "$ARBOR_BIN" users credits bench-limited --set 1000000000000 --data-dir "$WORK" --config "$WORK/arbor.toml" 2>/dev/null
   export ARBOR_BENCH_KEY
 fi
-taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
-  --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
-LOAD_PID=$!
-sleep 5
+start_load12 "$RATE" threadstat
 # The block device under $WORK: its write requests and cache flushes in the
 # window (/sys/class/block/DEV/stat: writes completed, sectors written, flushes).
 DISK=/sys/class/block/$(basename "$(df --output=source "$WORK" | tail -n1)")/stat
@@ -58,7 +55,7 @@ perf stat -e 'syscalls:sys_enter_pwrite64,syscalls:sys_enter_fcntl,syscalls:sys_
   -o "$WORK/perf.txt" -- sleep 5
 switch_counts "$WORK/switches.after"
 cp "$DISK" "$WORK/disk.after" 2>/dev/null || true
-wait "$LOAD_PID"
+load_result >"$WORK/result"
 python3 - "$WORK/perf.txt" "$((RATE * 5))" "$WORK/disk.before" "$WORK/disk.after" "$WORK/switches.before" "$WORK/switches.after" <<'PY'
 import collections, os, re, sys
 path, turns = sys.argv[1], int(sys.argv[2])
@@ -102,4 +99,4 @@ if all(os.path.exists(p) for p in sys.argv[3:5]):
     print(f"disk per turn (whole device): write requests {delta[4] / turns:.2f}, "
           f"KiB written {delta[6] / 2 / turns:.1f}{flushes}")
 PY
-grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"
+cat "$WORK/result"

@@ -14,10 +14,6 @@ OUT=${3:-/tmp/arbor-trace.txt}
 source "$ROOT/bench/common.sh"
 open_work trace
 start_pair0 "$ARBOR_BIN" 0
-taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
-  --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario threadstat >"$WORK/load.log" 2>&1 &
-LOAD_PID=$!
-sleep 5
+start_load12 "$RATE" threadstat
 perf trace -p "$ARBOR_PID" -e fdatasync,fsync,pwrite64,fcntl,futex -T -o "$OUT" -- sleep 3 || true
-wait "$LOAD_PID"
-grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log" || tail -n 3 "$WORK/load.log"
+load_result

@@ -10,10 +10,6 @@ ARBOR_BIN=${1}; RATE=${2:-2000}
 source "$ROOT/bench/common.sh"
 open_work sysc
 start_pair0 "$ARBOR_BIN" 0
-taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
-  --rate "$RATE" --duration 12 --warmup 2 --runs 1 --scenario pt >"$WORK/load.log" 2>&1 &
-LOAD_PID=$!
-sleep 5
+start_load12 "$RATE" pt
 perf stat -e 'raw_syscalls:sys_enter' -e 'syscalls:sys_enter_*' --per-thread -p "$ARBOR_PID" -o "${OUT:-/tmp/arbor-syscalls.txt}" -- sleep 4 2>/dev/null || true
-wait "$LOAD_PID"
-grep -o "run 1: .*latency µs p50 [0-9]* p99 [0-9]*" "$WORK/load.log"
+load_result

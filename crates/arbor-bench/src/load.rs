@@ -281,13 +281,15 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
             warm.sent
         );
     }
+    // The server's core, when it is pinned to one, whose idle and stolen
+    // time each run reads.
+    let core = args.server_pid.and_then(stats::pinned_core);
     for run in 1..=args.runs {
         let metrics_before = scrape_overhead(&shared).await;
         if let Some(pid) = args.server_pid {
             stats::reset_peak_rss(pid);
         }
         let cpu_before = args.server_pid.and_then(stats::cpu_time);
-        let core = args.server_pid.and_then(stats::pinned_core);
         let core_before = core.and_then(stats::core_times);
         let started_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis());
         let started = Instant::now();
