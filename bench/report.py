@@ -198,6 +198,9 @@ commit = machine.get("commit", "?") + (" (with uncommitted changes)" if machine.
 built = f"commit `{commit}`"
 if machine.get("arbor_bin"):
     built = f"the harness of commit `{commit}` measuring another Arbor build (`{machine['arbor_bin']}`)"
+elif machine.get("pgo"):
+    built = (f"commit `{commit}`, Arbor and the floor built with profile-guided optimisation "
+             "(`bench/pgo.sh`, trained on JSON and streamed turns against the same mock)")
 w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.get('cpu', '?')} "
   f"({machine.get('memory', '?')} memory). Arbor pinned to core {machine.get('arbor_core', '?')}, "
   f"the mocks and the load client to core {machine.get('load_core', '?')}. Each point: a warm-up, "

@@ -53,6 +53,23 @@ PROFILE=${BENCH_PROFILE:-$([[ $SMOKE == 1 ]] && echo dev || echo release)}
 cargo build -q --profile "$PROFILE" -p arbor -p arbor-testkit -p arbor-bench
 BIN=$TARGET_DIR/$([[ $PROFILE == dev ]] && echo debug || echo "$PROFILE")
 
+# An A/B run names another Arbor build; the report then says so.
+OTHER_ARBOR_BIN=${ARBOR_BIN:-}
+# Arbor and the floor as built for speed: with profile-guided optimisation
+# (bench/pgo.sh, ~10 min more) when an llvm-profdata that reads rustc's
+# profiles is installed. BENCH_PGO=0 measures the plain release build.
+PGO=0
+FLOOR_BIN=$BIN/arbor-floor
+if [[ $PROFILE == release && -z $OTHER_ARBOR_BIN && ${BENCH_PGO:-1} == 1 ]]; then
+  if PGO_DIR=$(bench/pgo.sh); then
+    PGO=1
+    ARBOR_BIN=$PGO_DIR/arbor
+    FLOOR_BIN=$PGO_DIR/arbor-floor
+  else
+    echo "bench/run.sh: no profile-guided build (above); measuring the plain release build" >&2
+  fi
+fi
+
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/arbor-bench.XXXXXX")
 ARBOR_BIN=${ARBOR_BIN:-$BIN/arbor}
 MOCK_BIN=${MOCK_BIN:-$BIN/arbor-mock}
@@ -122,7 +139,7 @@ start_mock $MOCKSTREAM --chunks $CHUNKS --chunk-delay-ms $CHUNK_DELAY_MS
 declare -A FLOOR_PORT FLOOR_PID
 start_floor() { # NAME PORT UPSTREAM_PORT FSYNCS
   mkdir -p "$WORK/floor-$1"
-  taskset -c "$ARBOR_CORE" "$BIN/arbor-floor" --listen "127.0.0.1:$2" --upstream "http://127.0.0.1:$3" \
+  taskset -c "$ARBOR_CORE" "$FLOOR_BIN" --listen "127.0.0.1:$2" --upstream "http://127.0.0.1:$3" \
     --fsyncs "$4" --data-dir "$WORK/floor-$1" >"$WORK/floor-$1.log" 2>&1 &
   PIDS+=($!)
   FLOOR_PID[$1]=$!
@@ -282,10 +299,12 @@ print(json.dumps({
     # The release profile's code generation (Cargo.toml; the environment's overrides win).
     "build": "$PROFILE" if "$PROFILE" != "release" else "release: lto " + os.environ.get(
         "CARGO_PROFILE_RELEASE_LTO", release("lto")) + ", codegen-units " + os.environ.get(
-        "CARGO_PROFILE_RELEASE_CODEGEN_UNITS", release("codegen-units")),
+        "CARGO_PROFILE_RELEASE_CODEGEN_UNITS", release("codegen-units")) + (
+        ", profile-guided (bench/pgo.sh)" if $PGO == 1 else ""),
+    "pgo": $PGO == 1,
     "loadavg_start": open("/proc/loadavg").read().split()[:3],
     # An A/B run measures another build than the harness's own.
-    "arbor_bin": "$ARBOR_BIN" if "$ARBOR_BIN" != "$BIN/arbor" else None,
+    "arbor_bin": "$OTHER_ARBOR_BIN" or None,
     # How fast the machine is this hour (bench/calibrate.py); again at the end.
     "calibration_start": json.loads(cmd("python3", "$ROOT/bench/calibrate.py", "$WORK", "$ARBOR_CORE") or "null"),
 }))

@@ -98,7 +98,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         println!("arbor-floor: {} -> {} ({} fsyncs a request)", listener.local_addr()?, floor.upstream, args.fsyncs);
         let app = Router::new().fallback(forward).with_state(floor);
-        arbor_server::listen::serve_http1(listener, app, CancellationToken::new()).await;
+        // SIGTERM ends the process normally (its exit handlers run), which
+        // an instrumented build needs to write its profile (`bench/pgo.sh`).
+        let stop = CancellationToken::new();
+        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                terminate.recv().await;
+                stop.cancel();
+            }
+        });
+        arbor_server::listen::serve_http1(listener, app, stop).await;
         Ok(())
     })
 }
