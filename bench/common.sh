@@ -39,19 +39,33 @@ close_work() {
 
 # Starts the OpenAI mock on core 1 (20 chunks, TCP_NODELAY like a real
 # provider) on port 9100, answering after DELAY_MS (default 0), and writes
-# $WORK/arbor.toml: SQLite in $WORK and the model `mock-0` served by that
-# mock. SQLITE_SYNC=full makes every commit fsync (see the store's
-# `Durability`).
+# $WORK/arbor.toml for it (`arbor_toml0`).
 start_mock0() { # [DELAY_MS]
   gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
   LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 \
     --delay-ms "${1:-0}" --chunk-delay-ms "${MOCK_CHUNK_DELAY_MS:-0}" >"$WORK/mock.log" 2>&1 &
   PIDS+=($!)
+  arbor_toml0
+}
+
+# Writes $WORK/arbor.toml: the database at DATABASE_URL (default SQLite in
+# $WORK; SQLITE_SYNC=full makes every commit fsync, see the store's
+# `Durability`) and the model `mock-0` served by the mock on port 9100.
+arbor_toml0() { # [DATABASE_URL]
   {
-    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "sqlite://%s/arbor.db%s"\n' "$WORK" \
-      "${SQLITE_SYNC:+?synchronous=$SQLITE_SYNC}"
+    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "%s"\n' \
+      "${1:-sqlite://$WORK/arbor.db${SQLITE_SYNC:+?synchronous=$SQLITE_SYNC}}"
     mock_model_toml mock-0 mock0 9100
   } >"$WORK/arbor.toml"
+}
+
+# Waits until URL answers at all (any status), for up to SECONDS (60).
+wait_http() { # URL [SECONDS]
+  local deadline=$((SECONDS + ${2:-60}))
+  until curl -s -o /dev/null -m 2 "$1"; do
+    if (( SECONDS > deadline )); then echo "no answer from $1" >&2; return 1; fi
+    sleep 0.2
+  done
 }
 
 # Starts `COMMAND... serve` on core 0 with $WORK's data and config, on port

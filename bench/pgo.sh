@@ -82,7 +82,7 @@ start_mock0 0
 
 # Arbor on SQLite, then on PostgreSQL when it answers.
 train_arbor() { # NAME DATABASE_URL
-  sed -i "s|^database_url = .*|database_url = \"$2\"|" "$WORK/arbor.toml"
+  arbor_toml0 "$2"
   start_arbor0 "$GEN/arbor"
   await_arbor 100 0.2
   train_load "$1-json" "$TRAIN_RATE" arbor
@@ -103,7 +103,7 @@ taskset -c 0 "$GEN/arbor-floor" --listen 127.0.0.1:8080 --upstream http://127.0.
   --data-dir "$WORK/floor" >"$WORK/floor.log" 2>&1 &
 FLOOR_PID=$!
 PIDS+=("$FLOOR_PID")
-for _ in $(seq 1 100); do curl -s -o /dev/null -m 2 http://127.0.0.1:8080/ && break; sleep 0.2; done
+wait_http http://127.0.0.1:8080/
 train_load floor-json "$TRAIN_RATE" openai
 train_load floor-stream "$TRAIN_STREAM_RATE" openai --stream
 stop "$FLOOR_PID"

@@ -25,7 +25,7 @@ source "$ROOT/bench/common.sh"
 open_work pgturns ${KEEP:-}
 psql -q "$PG_URL/postgres" -c "DROP DATABASE IF EXISTS arbor_pgturns" -c "CREATE DATABASE arbor_pgturns" 2>/dev/null
 start_mock0
-sed -i "s|^database_url = .*|database_url = \"$PG_URL/arbor_pgturns\"|" "$WORK/arbor.toml"
+arbor_toml0 "$PG_URL/arbor_pgturns"
 if [[ ${COUNT_STATEMENTS:-0} == 1 ]]; then
   RUST_LOG=info,sqlx::query=debug start_arbor0 "$ARBOR_BIN"
   RATE=5 DURATION=4 WARMUP=0

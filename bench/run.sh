@@ -100,14 +100,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-wait_http() { # URL [seconds]
-  local deadline=$((SECONDS + ${2:-60}))
-  until curl -s -o /dev/null -m 2 "$1"; do
-    if (( SECONDS > deadline )); then echo "no answer from $1" >&2; return 1; fi
-    sleep 0.2
-  done
-}
-
 # --- TCP_NODELAY for servers that do not set it (see bench/nodelay.c) --------
 NODELAY=""
 if command -v gcc >/dev/null && gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl; then

@@ -1,35 +1,49 @@
-"""The A/B table of bench/analysis.md's "profile-guided builds" section:
-per build and round, S1's overhead over the direct call (p50 / p99) and CPU
-per turn at 100, 1,000 and 2,000/s, S3's time-to-first-token overhead at
-100/s, and the (plain) floor's CPU per request in the same run as the hour's
-clock. Medians of each point's three runs.
+"""The A/B table of bench/analysis.md's "profile-guided build" section: per
+build and round, S1's overhead over the direct call (p50 / p99) and CPU per
+turn at 100, 1,000 and 2,000/s, S3's time-to-first-token overhead at 100/s,
+and the (plain) floor's CPU per request in the same run as the hour's clock.
+Medians of each point's three runs.
 
     python3 bench/results/ab-pgo/compare.py bench/results/ab-pgo/rust
 """
-import json,glob,collections,statistics as st,sys
-root=sys.argv[1]
-d=collections.defaultdict(dict)
-for f in sorted(glob.glob(root+'/*-*/loads.jsonl')):
-    name=f.split('/')[-2]
-    for l in open(f):
-        r=json.loads(l)
-        key=(r['scenario'],r['variant'],r['rate'])
-        lat=r.get('first_delta_us') if r.get('stream') else r.get('latency_us')
-        d[name].setdefault(key,[]).append((lat['p50'],lat['p99'],r.get('server_cpu_us_per_request') or 0))
-def med(name,key,i):
-    v=d[name].get(key); 
-    return st.median(x[i] for x in v) if v else None
-names=sorted(d, key=lambda n:(n.rsplit('-',1)[1], n))
-print('| build, round | S1 100/s overhead p50 / p99, CPU | S1 1,000/s | S1 2,000/s | S3 100/s TTFT overhead p50 / p99, CPU | floor (2 fsyncs) CPU at 100 / 1,000 / 2,000/s |')
-print('|---|---|---|---|---|---|')
-for n in names:
-    cells=[]
-    for rate in (100.0,1000.0,2000.0):
-        a=('S1','sqlite',rate); b=('S0','direct',rate)
-        if med(n,a,0) is None: cells.append('—'); continue
-        cells.append('%d / %d µs, %d µs'%(med(n,a,0)-med(n,b,0), med(n,a,1)-med(n,b,1), med(n,a,2)))
-    a=('S3','sqlite',100.0); b=('S0-stream','direct',100.0)
-    cells.append('%d / %d µs, %d µs'%(med(n,a,0)-med(n,b,0), med(n,a,1)-med(n,b,1), med(n,a,2)) if med(n,a,0) else '—')
-    fl=' / '.join('%d'%med(n,('F1','floor-2',r),2) if med(n,('F1','floor-2',r),2) else '—' for r in (100.0,1000.0,2000.0))
-    b,r=n.rsplit('-',1)
-    print('| %s, %s | %s | %s µs |'%(b,r,' | '.join(cells),fl))
+import collections
+import glob
+import json
+import statistics
+import sys
+
+# points[run][(scenario, variant, rate)] = [(p50, p99, cpu), ...], one per measured run
+points = collections.defaultdict(lambda: collections.defaultdict(list))
+for path in sorted(glob.glob(sys.argv[1] + "/*-*/loads.jsonl")):
+    run = path.split("/")[-2]
+    for line in open(path):
+        row = json.loads(line)
+        latency = row["first_delta_us"] if row.get("stream") else row["latency_us"]
+        cpu = row.get("server_cpu_us_per_request") or 0
+        points[run][(row["scenario"], row["variant"], row["rate"])].append((latency["p50"], latency["p99"], cpu))
+
+
+def median(run, key, field):
+    values = points[run].get(key)
+    return statistics.median(value[field] for value in values) if values else None
+
+
+def overhead(run, arbor, direct):
+    """Arbor's p50 / p99 minus the direct call's, and Arbor's CPU per turn."""
+    if median(run, arbor, 0) is None:
+        return "—"
+    p50, p99 = (median(run, arbor, i) - median(run, direct, i) for i in (0, 1))
+    return f"{p50:.0f} / {p99:.0f} µs, {median(run, arbor, 2):.0f} µs"
+
+
+RATES = (100.0, 1000.0, 2000.0)
+print("| build, round | S1 100/s overhead p50 / p99, CPU | S1 1,000/s | S1 2,000/s "
+      "| S3 100/s TTFT overhead p50 / p99, CPU | floor (2 fsyncs) CPU at 100 / 1,000 / 2,000/s |")
+print("|---|---|---|---|---|---|")
+for run in sorted(points, key=lambda run: (run.rsplit("-", 1)[1], run)):
+    cells = [overhead(run, ("S1", "sqlite", rate), ("S0", "direct", rate)) for rate in RATES]
+    cells.append(overhead(run, ("S3", "sqlite", 100.0), ("S0-stream", "direct", 100.0)))
+    floors = (median(run, ("F1", "floor-2", rate), 2) for rate in RATES)
+    floor = " / ".join("—" if cpu is None else f"{cpu:.0f}" for cpu in floors)
+    build, round_ = run.rsplit("-", 1)
+    print(f"| {build}, {round_} | {' | '.join(cells)} | {floor} µs |")
