@@ -21,7 +21,7 @@ use tokio::sync::watch;
 
 use crate::models::ResolvedModel;
 use crate::submit::QueueMode;
-use crate::turn::TurnOutcome;
+use crate::turn::{OutcomeSender, TurnOutcome};
 use crate::writer::EventWriter;
 
 /// Live viewers may fall this many events behind before they resynchronise
@@ -76,7 +76,7 @@ pub(crate) struct QueuedTurn {
     pub user: User,
     pub model: ResolvedModel,
     pub cancel: CancellationToken,
-    pub outcome: watch::Sender<Option<TurnOutcome>>,
+    pub outcome: OutcomeSender,
 }
 
 /// What [`Hub::claim_or_queue`] decided.
@@ -88,7 +88,7 @@ pub(crate) enum Slot {
     /// Queued at `position` (1 = next).
     Queued { turn: Turn, position: usize, subscription: Subscription, last_seq: i64 },
     /// Joined the queued merge turn `turn`.
-    Merged { turn: Turn, subscription: Subscription, last_seq: i64, outcome: watch::Receiver<Option<TurnOutcome>> },
+    Merged { turn: Turn, subscription: Subscription, last_seq: i64, outcome: watch::Receiver<Option<Arc<TurnOutcome>>> },
 }
 
 struct HubState {

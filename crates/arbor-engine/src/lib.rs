@@ -116,7 +116,7 @@ pub struct TurnHandle {
     /// for a queued or merged submit, whose messages are recorded at start).
     pub user_message: Option<Node>,
     events: stream::PendingEvents,
-    outcome: watch::Receiver<Option<TurnOutcome>>,
+    outcome: watch::Receiver<Option<Arc<TurnOutcome>>>,
 }
 
 impl TurnHandle {
@@ -127,7 +127,7 @@ impl TurnHandle {
     }
 
     /// Waits until the turn has finished and been recorded.
-    pub async fn outcome(mut self) -> EngineResult<TurnOutcome> {
+    pub async fn outcome(mut self) -> EngineResult<Arc<TurnOutcome>> {
         drop(self.events);
         let outcome = self
             .outcome
@@ -924,7 +924,7 @@ mod tests {
         assert!(!hub.watched(), "watched before anyone asked for the events");
         let outcome = handle.outcome().await.expect("outcome");
         assert_eq!(outcome.turn.status, arbor_store::TurnStatus::Succeeded);
-        assert!(outcome.reply.is_some_and(|reply| reply.message.content.is_some()));
+        assert!(outcome.reply.as_ref().is_some_and(|reply| reply.message.content.is_some()));
         assert!(!hub.watched());
     }
 

@@ -495,7 +495,7 @@ impl Inner {
                     Until::TurnEnds(turn_id.clone()),
                 );
                 let turn = queued.turn.clone();
-                let first_nodes = queued.nodes.clone();
+                let user_message = queued.nodes.last().cloned();
                 if let Err((error, queued)) = self.clone().launch(hub.clone(), conversation, *queued).await {
                     // Another node runs a turn here: wait for it like any
                     // queued turn, when the caller asked to wait.
@@ -511,7 +511,6 @@ impl Inner {
                     hub.release(&turn_id);
                     return Err(error);
                 }
-                let user_message = first_nodes.last().cloned();
                 Ok(TurnHandle { turn, user_message, events, outcome })
             }
             Slot::Busy { running } => Err(EngineError::TurnRunning { turn_id: running.to_string() }),
@@ -751,13 +750,13 @@ impl Inner {
                         EventName::Error,
                         &json!({"turn_id": &*turn_id, "code": "conflict", "message": error.to_string()}),
                     );
-                    let _ = failed.outcome.send(Some(crate::TurnOutcome {
+                    let _ = failed.outcome.send(Some(Arc::new(crate::TurnOutcome {
                         turn,
                         reply: None,
                         head_version: conversation_head_version(&self.store, &hub.conversation_id, &owner_id).await,
                         overhead: Default::default(),
                         store_wait: Default::default(),
-                    }));
+                    })));
                     match following {
                         Some(following) => next = following,
                         None => return,
@@ -792,13 +791,13 @@ impl Inner {
             EventName::Error,
             &json!({"turn_id": &*turn_id, "code": "cancelled", "message": turn.error_message}),
         );
-        let _ = queued.outcome.send(Some(crate::TurnOutcome {
+        let _ = queued.outcome.send(Some(Arc::new(crate::TurnOutcome {
             turn: turn.clone(),
             reply: None,
             head_version: conversation.head_version,
             overhead: Default::default(),
             store_wait: Default::default(),
-        }));
+        })));
         Ok(turn)
     }
 }

@@ -104,6 +104,11 @@ pub struct TurnOutcome {
     pub store_wait: std::time::Duration,
 }
 
+/// Where a turn's end is announced. Shared, so that every caller waiting
+/// for it (the submit's, a merged submit's) reads the one outcome instead of
+/// copying the turn and its reply.
+pub(crate) type OutcomeSender = watch::Sender<Option<Arc<TurnOutcome>>>;
+
 /// Why a model call stopped before the provider finished it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stopped {
@@ -122,7 +127,7 @@ pub(crate) struct TurnTask {
     turn_id: Arc<str>,
     model: ResolvedModel,
     cancel: CancellationToken,
-    outcome: watch::Sender<Option<TurnOutcome>>,
+    outcome: OutcomeSender,
     /// When the turn's time limit runs out.
     deadline: Instant,
     /// The `llm_request` trace card of the call in flight.
@@ -167,7 +172,7 @@ impl TurnTask {
         turn_id: Arc<str>,
         model: ResolvedModel,
         cancel: CancellationToken,
-        outcome: watch::Sender<Option<TurnOutcome>>,
+        outcome: OutcomeSender,
         deadline: Instant,
     ) -> TurnTask {
         TurnTask {
@@ -266,27 +271,27 @@ impl TurnTask {
         let counter =
             if self.turn.status == TurnStatus::Succeeded { &metrics.turns_succeeded } else { &metrics.turns_failed };
         counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let _ = self.outcome.send(Some(TurnOutcome {
-            turn: self.turn.clone(),
+        // Wakes nodes holding queued turns for this conversation (for a
+        // recorded turn, `finish_turn` did).
+        let notice = (self.inner.config.shared && !self.recorded).then(|| arbor_store::Notice::TurnFinished {
+            conversation_id: self.conversation.id.clone(),
+            turn_id: self.turn.id.clone(),
+        });
+        let _ = self.outcome.send(Some(Arc::new(TurnOutcome {
+            turn: self.turn,
             reply,
             head_version: self.conversation.head_version,
             overhead,
             store_wait: self.store_wait,
-        }));
+        })));
         if let Some(next) = next {
             // The engine's launcher starts it: a turn task that launched the
             // next turn itself would be a future containing itself.
             self.inner.queue_launch(self.hub.clone(), self.conversation.owner_id.clone(), next);
         }
-        if self.inner.config.shared && !self.recorded {
-            // Wakes nodes holding queued turns for this conversation (for a
-            // recorded turn, `finish_turn` did). Last: the slot is free in
-            // the store already, and the round trip kept the turn's answer
-            // and `done` waiting.
-            let notice = arbor_store::Notice::TurnFinished {
-                conversation_id: self.conversation.id.clone(),
-                turn_id: self.turn.id.clone(),
-            };
+        if let Some(notice) = notice {
+            // Last: the slot is free in the store already, and the round
+            // trip kept the turn's answer and `done` waiting.
             if let Err(error) = self.inner.store.notify(&notice).await {
                 tracing::warn!(%error, "announcing the end of a turn failed");
             }

@@ -771,12 +771,12 @@ impl Decode for StreamDecoder {
     type Piece = SseEvent;
     type Item = Chunk;
 
-    fn feed(&mut self, event: SseEvent) -> Decoded<Chunk> {
-        decode::items(self.push(&event.data))
+    fn feed(&mut self, event: SseEvent, out: &mut Decoded<Chunk>) {
+        decode::items(self.push(&event.data), out);
     }
 
-    fn end(self) -> Decoded<Chunk> {
-        decode::items(self.finish())
+    fn end(self, out: &mut Decoded<Chunk>) {
+        decode::items(self.finish(), out);
     }
 }
 

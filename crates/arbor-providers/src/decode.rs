@@ -13,9 +13,11 @@ use std::pin::Pin;
 use arbor_core::ProviderError;
 use futures_util::{Stream, StreamExt, stream};
 
-/// What one step of a decoder gives, in order. An error ends the stream: it
-/// is delivered, and nothing after it is.
-pub(crate) type Decoded<T> = Vec<Result<T, ProviderError>>;
+/// Where a decoder puts what one step gives, in order. An error ends the
+/// stream: it is delivered, and nothing after it is. The driver's own queue,
+/// so that a step (one per SSE event of every streamed reply) allocates no
+/// list of its own.
+pub(crate) type Decoded<T> = VecDeque<Result<T, ProviderError>>;
 
 /// A decoder as [`drive`] runs it: pieces of a body in, items out.
 pub(crate) trait Decode: Send + 'static {
@@ -25,12 +27,12 @@ pub(crate) trait Decode: Send + 'static {
     /// next decoder reads.
     type Item: Send + 'static;
 
-    /// What one piece carries.
-    fn feed(&mut self, piece: Self::Piece) -> Decoded<Self::Item>;
+    /// What one piece carries, added to `out`.
+    fn feed(&mut self, piece: Self::Piece, out: &mut Decoded<Self::Item>);
 
     /// The body ended: what closes the output, or the error saying that the
-    /// body was cut off.
-    fn end(self) -> Decoded<Self::Item>;
+    /// body was cut off, added to `out`.
+    fn end(self, out: &mut Decoded<Self::Item>);
 
     /// Whether the last piece ended the output on its own (OpenAI's
     /// `[DONE]`). The rest of the body is then neither read nor waited for,
@@ -40,11 +42,11 @@ pub(crate) trait Decode: Send + 'static {
     }
 }
 
-/// A decoder's usual answer, its items or the error, as a [`Decoded`].
-pub(crate) fn items<T>(result: Result<Vec<T>, ProviderError>) -> Decoded<T> {
+/// Adds a decoder's usual answer, its items or the error, to `out`.
+pub(crate) fn items<T>(result: Result<Vec<T>, ProviderError>, out: &mut Decoded<T>) {
     match result {
-        Ok(items) => items.into_iter().map(Ok).collect(),
-        Err(error) => vec![Err(error)],
+        Ok(items) => out.extend(items.into_iter().map(Ok)),
+        Err(error) => out.push_back(Err(error)),
     }
 }
 
@@ -76,7 +78,7 @@ where
             let decoder = state.decoder.as_mut()?;
             match state.pieces.next().await {
                 Some(Ok(piece)) => {
-                    state.ready.extend(decoder.feed(piece));
+                    decoder.feed(piece, &mut state.ready);
                     if decoder.is_done() {
                         state.decoder = None;
                     }
@@ -84,7 +86,7 @@ where
                 Some(Err(error)) => state.ready.push_back(Err(error)),
                 None => {
                     let decoder = state.decoder.take()?;
-                    state.ready.extend(decoder.end());
+                    decoder.end(&mut state.ready);
                 }
             }
         }
@@ -109,18 +111,18 @@ mod tests {
         type Piece = &'static str;
         type Item = &'static str;
 
-        fn feed(&mut self, piece: &'static str) -> Decoded<&'static str> {
+        fn feed(&mut self, piece: &'static str, out: &mut Decoded<&'static str>) {
             match piece {
-                "fail" => vec![Ok("before"), Err(ProviderError::new(ErrorCode::Internal, "bad")), Ok("after")],
+                "fail" => out.extend([Ok("before"), Err(ProviderError::new(ErrorCode::Internal, "bad")), Ok("after")]),
                 piece => {
                     self.stopped = piece == "stop";
-                    vec![Ok(piece)]
+                    out.push_back(Ok(piece));
                 }
             }
         }
 
-        fn end(self) -> Decoded<&'static str> {
-            vec![Ok("end")]
+        fn end(self, out: &mut Decoded<&'static str>) {
+            out.push_back(Ok("end"));
         }
 
         fn is_done(&self) -> bool {

@@ -1152,12 +1152,12 @@ impl Decode for StreamDecoder {
     type Piece = String;
     type Item = Chunk;
 
-    fn feed(&mut self, text: String) -> Decoded<Chunk> {
-        decode::items(self.push(&text))
+    fn feed(&mut self, text: String, out: &mut Decoded<Chunk>) {
+        decode::items(self.push(&text), out);
     }
 
-    fn end(self) -> Decoded<Chunk> {
-        decode::items(self.finish())
+    fn end(self, out: &mut Decoded<Chunk>) {
+        decode::items(self.finish(), out);
     }
 }
 
@@ -1262,12 +1262,12 @@ impl Decode for JsonArraySplitter {
     type Piece = Bytes;
     type Item = String;
 
-    fn feed(&mut self, bytes: Bytes) -> Decoded<String> {
-        decode::items(self.push(&bytes))
+    fn feed(&mut self, bytes: Bytes, out: &mut Decoded<String>) {
+        decode::items(self.push(&bytes), out);
     }
 
-    fn end(self) -> Decoded<String> {
-        decode::items(self.finish().map(|()| Vec::new()))
+    fn end(self, out: &mut Decoded<String>) {
+        decode::items(self.finish().map(|()| Vec::new()), out);
     }
 }
 

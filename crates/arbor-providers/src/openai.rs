@@ -857,35 +857,38 @@ impl Decode for StreamDecoder {
     type Piece = SseEvent;
     type Item = Chunk;
 
-    fn feed(&mut self, event: SseEvent) -> Decoded<Chunk> {
+    fn feed(&mut self, event: SseEvent, out: &mut Decoded<Chunk>) {
         let data = event.data.trim();
         if event.event == "error" {
-            return vec![Err(stream_error(data))];
+            out.push_back(Err(stream_error(data)));
+            return;
         }
         if data == "[DONE]" {
             // `[DONE]` without a finish reason is still a clean end: the
             // server said the reply is over.
             self.finished = true;
             self.done = true;
-            return self.close();
+            self.close(out);
+            return;
         }
         let chunk = match self.reader.read(data) {
             Some(chunk) => chunk,
             None => match serde_json::from_str::<WireChunk>(data) {
                 Ok(chunk) => chunk,
                 Err(error) => {
-                    return vec![Err(ProviderError::new(
+                    out.push_back(Err(ProviderError::new(
                         ErrorCode::StreamInterrupted,
                         format!("the provider sent an unreadable stream chunk ({error}): {data:.200}"),
-                    ))];
+                    )));
+                    return;
                 }
             },
         };
         if let Some(error) = chunk.error {
-            return vec![Err(error_from_body(None, &error))];
+            out.push_back(Err(error_from_body(None, &error)));
+            return;
         }
-        let mut out = Vec::new();
-        let mut emit = |chunk: Chunk| out.push(Ok(chunk));
+        let mut emit = |chunk: Chunk| out.push_back(Ok(chunk));
         // With n > 1 the other choices are alternatives nobody asked
         // Arbor for; only the first becomes the reply.
         if let Some(mut choice) = chunk.choices.0 {
@@ -901,11 +904,10 @@ impl Decode for StreamDecoder {
         if let Some(usage) = chunk.usage {
             emit(Chunk::Usage(usage.to_usage()));
         }
-        out
     }
 
-    fn end(mut self) -> Decoded<Chunk> {
-        self.close()
+    fn end(mut self, out: &mut Decoded<Chunk>) {
+        self.close(out);
     }
 
     fn is_done(&self) -> bool {
@@ -916,16 +918,14 @@ impl Decode for StreamDecoder {
 impl StreamDecoder {
     /// The body ended (or said `[DONE]`): open tool calls close, and then a
     /// reply that never said why it stopped ends in an interruption.
-    fn close(&mut self) -> Decoded<Chunk> {
-        let mut out = Vec::new();
-        self.calls.close_all(&mut |chunk| out.push(Ok(chunk)));
+    fn close(&mut self, out: &mut Decoded<Chunk>) {
+        self.calls.close_all(&mut |chunk| out.push_back(Ok(chunk)));
         if !self.finished {
-            out.push(Err(ProviderError::new(
+            out.push_back(Err(ProviderError::new(
                 ErrorCode::StreamInterrupted,
                 "the provider's stream ended before the reply was complete",
             )));
         }
-        out
     }
 }
 

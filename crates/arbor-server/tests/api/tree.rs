@@ -225,7 +225,7 @@ async fn queued_messages_run_in_order_and_each_sees_the_reply_it_waited_for() {
 
     let tree = messages(&app.get(&key, &format!("/v1/conversations/{conversation}")).await.body);
     let node = |id: &str| tree.iter().find(|node| node["id"] == id).cloned().expect("node");
-    let first_reply = first.reply.expect("first reply").id;
+    let first_reply = first.reply.as_ref().expect("first reply").id.clone();
     assert_eq!(node("s2")["parent_id"], first_reply.as_str(), "the queued message follows the reply it waited for");
     assert_eq!(node("s3")["parent_id"], second.body["message"]["id"], "FIFO: third after second's reply");
     assert_eq!(tree.len(), 6);
