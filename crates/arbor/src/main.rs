@@ -3,6 +3,8 @@
 //! parsing here, everything else in the library crates.
 #![forbid(unsafe_code)]
 
+mod logline;
+
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -114,7 +116,12 @@ fn init_logging(level: Option<&str>) {
     // Logs go to stderr so that stdout carries only what scripts read.
     // Colours only for a terminal: a log file or a collector gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .event_format(logline::LogLine::default())
+        .init();
 }
 
 fn load(common: &Common, listen: Option<String>) -> anyhow::Result<Config> {
