@@ -17,11 +17,10 @@ use tokio_util::sync::CancellationToken;
 use arbor_core::Node;
 use arbor_core::tree::Tree;
 use arbor_store::{Turn, User};
-use tokio::sync::watch;
 
 use crate::models::ResolvedModel;
 use crate::submit::QueueMode;
-use crate::turn::{OutcomeSender, TurnOutcome};
+use crate::turn::{OutcomeReceiver, OutcomeSender};
 use crate::writer::EventWriter;
 
 /// Live viewers may fall this many events behind before they resynchronise
@@ -88,7 +87,7 @@ pub(crate) enum Slot {
     /// Queued at `position` (1 = next).
     Queued { turn: Turn, position: usize, subscription: Subscription, last_seq: i64 },
     /// Joined the queued merge turn `turn`.
-    Merged { turn: Turn, subscription: Subscription, last_seq: i64, outcome: watch::Receiver<Option<Arc<TurnOutcome>>> },
+    Merged { turn: Turn, subscription: Subscription, last_seq: i64, outcome: OutcomeReceiver },
 }
 
 struct HubState {

@@ -27,7 +27,6 @@ use arbor_core::{EventName, Node};
 use arbor_store::{
     ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn, TurnStatus, User,
 };
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -116,7 +115,7 @@ pub struct TurnHandle {
     /// for a queued or merged submit, whose messages are recorded at start).
     pub user_message: Option<Node>,
     events: stream::PendingEvents,
-    outcome: watch::Receiver<Option<Arc<TurnOutcome>>>,
+    outcome: turn::OutcomeReceiver,
 }
 
 impl TurnHandle {

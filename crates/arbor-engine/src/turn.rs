@@ -108,6 +108,7 @@ pub struct TurnOutcome {
 /// for it (the submit's, a merged submit's) reads the one outcome instead of
 /// copying the turn and its reply.
 pub(crate) type OutcomeSender = watch::Sender<Option<Arc<TurnOutcome>>>;
+pub(crate) type OutcomeReceiver = watch::Receiver<Option<Arc<TurnOutcome>>>;
 
 /// Why a model call stopped before the provider finished it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
