@@ -297,6 +297,8 @@ mod tests {
         info!(count = 3);
         debug!(level = "debug", "quiet");
         trace!("quieter");
+        // A dependency that logs through the `log` crate.
+        log::warn!(target: "some_crate::pool", "a {} record", "forwarded");
         let plain = std::io::Error::other("plain");
         let chained = Failed(Cause);
         error!(error = &plain as &(dyn std::error::Error + 'static), "failed");
@@ -307,6 +309,9 @@ mod tests {
     }
 
     fn lines(ansi: bool, fast: bool) -> Vec<String> {
+        // `log` records reach tracing as `serve` sets it up (`init`
+        // installs this forwarder); a second test's call finds it set.
+        let _ = tracing_log::LogTracer::init();
         let captured = Captured::default();
         let builder =
             tracing_subscriber::fmt().with_max_level(Level::TRACE).with_ansi(ansi).with_writer(captured.clone());
@@ -335,7 +340,7 @@ mod tests {
         for ansi in [false, true] {
             let expected = lines(ansi, false);
             let written = lines(ansi, true);
-            assert_eq!(expected.len(), 14, "{expected:#?}");
+            assert_eq!(expected.len(), 15, "{expected:#?}");
             assert_eq!(written.len(), expected.len(), "{written:#?}");
             for (written, expected) in written.iter().zip(&expected) {
                 assert_eq!(after_timestamp(written, ansi), after_timestamp(expected, ansi));
@@ -346,9 +351,10 @@ mod tests {
                 }
             }
         }
-        // The sanitised message, spelled out.
+        // The sanitised message, and the `log` record under its own target.
         let written = lines(false, true);
         assert!(written[6].ends_with(r"an \x1b[31mescape\x07, a C1 \u{85} and é"), "{}", written[6]);
+        assert!(written[11].ends_with(" WARN some_crate::pool: a forwarded record"), "{}", written[11]);
     }
 
     fn stamp(seconds: u64, micros: u32) -> String {
