@@ -6,9 +6,9 @@
 //! (timestamp, padded level, target, message, `name=value` fields; the
 //! message's terminal escapes made harmless the same way) with plain string
 //! writes. Lines it does not handle the same way are handed to the default
-//! formatter whole: coloured output (a terminal), events inside spans, and
-//! records forwarded from the `log` crate. The tests compare the two line for
-//! line.
+//! formatter whole: coloured output (a terminal), events inside spans,
+//! records forwarded from the `log` crate, and a clock before 1970. The
+//! tests compare the two line for line.
 
 use std::fmt::{self, Write as _};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -34,13 +34,16 @@ where
 {
     fn format_event(&self, context: &FmtContext<'_, S, N>, mut writer: Writer<'_>, event: &Event<'_>) -> fmt::Result {
         let metadata = event.metadata();
-        if writer.has_ansi_escapes()
-            || context.event_scope().is_some()
-            || metadata.fields().field("log.target").is_some()
-        {
+        let stamp = timestamp(SystemTime::now());
+        let stamp = stamp.as_ref().and_then(|stamp| std::str::from_utf8(stamp).ok());
+        let Some(stamp) = stamp.filter(|_| {
+            !writer.has_ansi_escapes()
+                && context.event_scope().is_none()
+                && metadata.fields().field("log.target").is_none()
+        }) else {
             return self.fallback.format_event(context, writer, event);
-        }
-        write_timestamp(&mut writer, SystemTime::now())?;
+        };
+        writer.write_str(stamp)?;
         writer.write_str(level_column(metadata.level()))?;
         writer.write_str(metadata.target())?;
         writer.write_str(": ")?;
@@ -63,25 +66,21 @@ fn level_column(level: &Level) -> &'static str {
 }
 
 /// `2026-12-06T00:37:49.018199Z ` (UTC, microseconds, then a space), as
-/// the default timer writes it.
-fn write_timestamp(writer: &mut impl fmt::Write, now: SystemTime) -> fmt::Result {
-    let Ok(since_epoch) = now.duration_since(UNIX_EPOCH) else {
-        // A clock before 1970: rare enough to leave to the slow path's rules.
-        return writer.write_str("<unknown time> ");
-    };
-    let seconds = since_epoch.as_secs();
-    let (year, month, day) = civil_from_days((seconds / 86_400) as i64);
-    let of_day = seconds % 86_400;
-    let mut line = *b"0000-00-00T00:00:00.000000Z ";
-    put_digits(&mut line[0..4], year as u64);
-    put_digits(&mut line[5..7], month as u64);
-    put_digits(&mut line[8..10], day as u64);
-    put_digits(&mut line[11..13], of_day / 3600);
-    put_digits(&mut line[14..16], of_day / 60 % 60);
-    put_digits(&mut line[17..19], of_day % 60);
-    put_digits(&mut line[20..26], u64::from(since_epoch.subsec_micros()));
-    // Only ASCII digits were written into an ASCII template.
-    writer.write_str(std::str::from_utf8(&line).map_err(|_| fmt::Error)?)
+/// the default timer writes it; `None` for a clock before 1970 or after
+/// 9999, which the default formatter writes its own way.
+fn timestamp(now: SystemTime) -> Option<[u8; 28]> {
+    let since_epoch = time::Duration::try_from(now.duration_since(UNIX_EPOCH).ok()?).ok()?;
+    let now = time::OffsetDateTime::UNIX_EPOCH.checked_add(since_epoch)?;
+    let year = u64::try_from(now.year()).ok().filter(|year| *year <= 9999)?;
+    let mut stamp = *b"0000-00-00T00:00:00.000000Z ";
+    put_digits(&mut stamp[0..4], year);
+    put_digits(&mut stamp[5..7], u64::from(u8::from(now.month())));
+    put_digits(&mut stamp[8..10], u64::from(now.day()));
+    put_digits(&mut stamp[11..13], u64::from(now.hour()));
+    put_digits(&mut stamp[14..16], u64::from(now.minute()));
+    put_digits(&mut stamp[17..19], u64::from(now.second()));
+    put_digits(&mut stamp[20..26], u64::from(now.microsecond()));
+    Some(stamp)
 }
 
 /// Writes `value`'s last `out.len()` decimal digits, zero-padded.
@@ -90,21 +89,6 @@ fn put_digits(out: &mut [u8], mut value: u64) {
         *digit = b'0' + (value % 10) as u8;
         value /= 10;
     }
-}
-
-/// The proleptic Gregorian date of a day counted from 1970-01-01 (Howard
-/// Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z.rem_euclid(146_097);
-    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let shifted_month = (5 * day_of_year + 2) / 153;
-    let day = (day_of_year - (153 * shifted_month + 2) / 5 + 1) as u32;
-    let month = if shifted_month < 10 { shifted_month + 3 } else { shifted_month - 9 } as u32;
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    (year, month, day)
 }
 
 /// The event's fields as the default visitor writes them: the message bare,
@@ -138,6 +122,12 @@ impl Fields<'_, '_> {
     fn write(&mut self, write: impl FnOnce(&mut Writer<'_>) -> fmt::Result) {
         self.result = self.result.and_then(|()| write(self.writer));
     }
+
+    fn integer(&mut self, field: &Field, value: impl itoa::Integer) {
+        if self.start(field).is_some() {
+            self.write(|writer| writer.write_str(itoa::Buffer::new().format(value)));
+        }
+    }
 }
 
 enum Kind {
@@ -155,15 +145,11 @@ impl Visit for Fields<'_, '_> {
     }
 
     fn record_u64(&mut self, field: &Field, value: u64) {
-        if self.start(field).is_some() {
-            self.write(|writer| writer.write_str(itoa::Buffer::new().format(value)));
-        }
+        self.integer(field, value);
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        if self.start(field).is_some() {
-            self.write(|writer| writer.write_str(itoa::Buffer::new().format(value)));
-        }
+        self.integer(field, value);
     }
 
     fn record_bool(&mut self, field: &Field, value: bool) {
@@ -358,9 +344,8 @@ mod tests {
     }
 
     fn stamp(seconds: u64, micros: u32) -> String {
-        let mut out = String::new();
-        write_timestamp(&mut out, UNIX_EPOCH + Duration::new(seconds, micros * 1000)).unwrap();
-        out
+        let stamp = timestamp(UNIX_EPOCH + Duration::new(seconds, micros * 1000)).expect("a timestamp");
+        String::from_utf8(stamp.to_vec()).unwrap()
     }
 
     #[test]
@@ -371,5 +356,7 @@ mod tests {
         assert_eq!(stamp(951_868_800, 1), "2000-03-01T00:00:00.000001Z ");
         // The year 2100 is not a leap year.
         assert_eq!(stamp(4_107_542_400, 0), "2100-03-01T00:00:00.000000Z ");
+        // Before 1970 the default formatter writes the line.
+        assert_eq!(timestamp(UNIX_EPOCH - Duration::from_secs(1)), None);
     }
 }
