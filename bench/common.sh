@@ -48,13 +48,22 @@ start_mock0() { # [DELAY_MS]
   arbor_toml0
 }
 
+# The URL of an SQLite database at PATH: SQLITE_SYNC=normal commits without
+# the fsync per durable commit (default full, see the store's `Durability`);
+# SQLITE_LOCKING=shared lets other processes open the file while Arbor runs
+# (default exclusive: a benchmark's Arbor is alone with its database, and
+# its transactions then make no lock system calls; see the store's
+# `Locking`).
+sqlite_url() { # PATH
+  echo "sqlite://$1?locking=${SQLITE_LOCKING:-exclusive}${SQLITE_SYNC:+&synchronous=$SQLITE_SYNC}"
+}
+
 # Writes $WORK/arbor.toml: the database at DATABASE_URL (default SQLite in
-# $WORK; SQLITE_SYNC=full makes every commit fsync, see the store's
-# `Durability`) and the model `mock-0` served by the mock on port 9100.
+# $WORK, see `sqlite_url`) and the model `mock-0` served by the mock on
+# port 9100.
 arbor_toml0() { # [DATABASE_URL]
   {
-    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "%s"\n' \
-      "${1:-sqlite://$WORK/arbor.db${SQLITE_SYNC:+?synchronous=$SQLITE_SYNC}}"
+    printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "%s"\n' "${1:-$(sqlite_url "$WORK/arbor.db")}"
     mock_model_toml mock-0 mock0 9100
   } >"$WORK/arbor.toml"
 }

@@ -212,6 +212,9 @@ w(f"Run on {date}, {built}, on {machine.get('cores', '?')} cores of a {machine.g
   + ("`synchronous = FULL` for every write someone waits on (each such commit fsyncs: the default)"
      if durable_commits else
      f"`?synchronous={machine['sqlite_sync']}` (no fsync per commit; a power loss can lose the last commits)")
+  + ("; the database is opened with `?locking=exclusive` (Arbor alone with its file, so a transaction "
+     "makes no lock system call; the parity check's Arbor shares the file to let the rows be counted)"
+     if machine.get("sqlite_locking") == "exclusive" else "")
   + ".")
 stolen = [run["server_core_steal_percent"] for run in loads
           if run.get("server_core_steal_percent") is not None and run["target"] == "arbor"]

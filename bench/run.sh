@@ -15,7 +15,9 @@
 # postgres://postgres@127.0.0.1:5432), LITELLM (path of the litellm command;
 # default: bench/.venv or the one on PATH; installed into bench/.venv when
 # missing and BENCH_INSTALL_LITELLM=1), SQLITE_SYNC (normal: SQLite commits
-# without the fsync per durable commit; default full).
+# without the fsync per durable commit; default full), SQLITE_LOCKING
+# (shared: other processes may open Arbor's database meanwhile; default
+# exclusive, see `sqlite_url` in bench/common.sh).
 #
 # Arbor runs pinned to ARBOR_CORE; the mocks and the load client share
 # LOAD_CORE. Everything listens on 127.0.0.1 and every load is bounded in
@@ -264,8 +266,11 @@ EOF
 }
 
 # SQLITE_SYNC=normal measures SQLite without the fsync per durable commit
-# (the default is full; see ARCHITECTURE.md).
-SQLITE_URL="sqlite://$WORK/arbor-sqlite/arbor.db${SQLITE_SYNC:+?synchronous=$SQLITE_SYNC}"
+# (the default is full; see ARCHITECTURE.md); SQLITE_LOCKING (common.sh).
+SQLITE_URL=$(sqlite_url "$WORK/arbor-sqlite/arbor.db")
+# The parity check counts rows from another process, which exclusive
+# locking would refuse: that Arbor shares the file.
+SQLITE_SHARED_URL=$(SQLITE_LOCKING=shared sqlite_url "$WORK/arbor-sqlite/arbor.db")
 
 # --- the machine -------------------------------------------------------------
 python3 - >"$RESULTS/machine.json" <<EOF
@@ -287,7 +292,7 @@ print(json.dumps({
                       ":!bench/results", ":!bench/REPORT.md")),
     "date": cmd("date", "-u", "+%Y-%m-%d %H:%M UTC"), "arbor_core": $ARBOR_CORE, "load_core": $LOAD_CORE,
     "chunks": $CHUNKS, "chunk_delay_ms": $CHUNK_DELAY_MS, "smoke": $SMOKE == 1,
-    "sqlite_sync": "${SQLITE_SYNC:-full}",
+    "sqlite_sync": "${SQLITE_SYNC:-full}", "sqlite_locking": "${SQLITE_LOCKING:-exclusive}",
     # The release profile's code generation (Cargo.toml; the environment's overrides win).
     "build": "$PROFILE" if "$PROFILE" != "release" else "release: lto " + os.environ.get(
         "CARGO_PROFILE_RELEASE_LTO", release("lto")) + ", codegen-units " + os.environ.get(
@@ -366,7 +371,11 @@ if wants S3; then
 fi
 
 if wants S4; then
+  stop_arbor
+  start_arbor sqlite "$SQLITE_SHARED_URL"
   parity sqlite "$([[ $SMOKE == 1 ]] && echo 20 || echo 200)"
+  stop_arbor
+  start_arbor sqlite "$SQLITE_URL"
 fi
 
 if wants S5; then

@@ -21,6 +21,8 @@
 # LIMITED=1 drives the turns as a user with a credit balance (10^12 credits,
 # made with `arbor users add` / `users credits`), whose calls hold credits
 # before they are made; the default is the first admin, who is unlimited.
+# Those commands open the database beside the running Arbor, so LIMITED=1
+# runs it with SQLITE_LOCKING=shared (bench/common.sh).
 #
 # Needs perf (syscall tracepoints) and a release build
 # (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
@@ -30,6 +32,7 @@ BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
 ARBOR_BIN=${1:-$BIN/arbor}
 RATE=${2:-500}
 source "$ROOT/bench/common.sh"
+[[ ${LIMITED:-0} == 1 ]] && export SQLITE_LOCKING=shared
 open_work threadstat
 start_pair0 "$ARBOR_BIN" "${MOCK_DELAY_MS:-0}"
 after_start

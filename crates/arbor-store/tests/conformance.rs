@@ -27,6 +27,16 @@ where
     on_sqlite_pair(|store, _| story(store)).await;
 }
 
+/// Runs `story` against a new SQLite file opened with `locking=exclusive`
+/// (its connections lock each other in memory).
+async fn on_sqlite_exclusive<F, Fut>(story: F)
+where
+    F: FnOnce(Arc<dyn Store>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    on_sqlite_file("?locking=exclusive", |store, _| story(store)).await;
+}
+
 /// Runs `story` against two stores on one new SQLite file, as two processes
 /// on one machine would share it.
 async fn on_sqlite_pair<F, Fut>(story: F)
@@ -34,10 +44,20 @@ where
     F: FnOnce(Arc<dyn Store>, Arc<dyn Store>) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    on_sqlite_file("", story).await;
+}
+
+/// Runs `story` against two stores on one new SQLite file opened with the
+/// URL's `query`.
+async fn on_sqlite_file<F, Fut>(query: &str, story: F)
+where
+    F: FnOnce(Arc<dyn Store>, Arc<dyn Store>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let folder = tempfile::tempdir().expect("temp dir");
     // A folder that does not exist yet: open must create it.
     let path = folder.path().join("nested").join("arbor.db");
-    let url = format!("sqlite://{}", path.display());
+    let url = format!("sqlite://{}{query}", path.display());
     let first = arbor_store::open(&url).await.expect("sqlite store opens");
     let second = arbor_store::open(&url).await.expect("sqlite store opens twice");
     story(first, second).await;
@@ -128,7 +148,8 @@ fn with_database(server_url: &str, database: &str) -> String {
     }
 }
 
-/// One test per story and backend: `sqlite::story_x` and `postgres::story_x`.
+/// One test per story and backend: `sqlite::story_x`,
+/// `sqlite_exclusive::story_x` and `postgres::story_x`.
 macro_rules! stories {
     ($($story:ident),+ $(,)?) => {
         mod sqlite {
@@ -136,6 +157,14 @@ macro_rules! stories {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $story() {
                     super::on_sqlite(super::$story).await;
+                }
+            )+
+        }
+        mod sqlite_exclusive {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $story() {
+                    super::on_sqlite_exclusive(super::$story).await;
                 }
             )+
         }

@@ -111,3 +111,42 @@ fn serve_prints_the_first_admin_key_once_and_stops_on_sigterm() {
         }
     }
 }
+
+#[test]
+fn under_exclusive_locking_other_processes_are_told_at_once_until_the_server_stops() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let listen = format!("127.0.0.1:{port}");
+    let config = dir.path().join("arbor.toml");
+    let database = dir.path().join("arbor.db");
+    std::fs::write(
+        &config,
+        format!("[storage]\ndatabase_url = \"sqlite://{}?locking=exclusive\"\n", database.display()),
+    )
+    .expect("written");
+    let add_bob = || arbor().args(["users", "add", "bob", "--config"]).arg(&config).output().expect("runs");
+    let server = arbor()
+        .args(["serve", "--listen", &listen, "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("serve starts");
+    let ready = (0..100).any(|_| answers_http(&listen) || (std::thread::sleep(Duration::from_millis(100)), false).1);
+    assert!(ready, "serve listens");
+
+    let started = std::time::Instant::now();
+    let refused = add_bob();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("in use by another process") && stderr.contains("locking=exclusive"), "{stderr}");
+    // Not after the 10 s a shared lock may be waited for.
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+
+    let status = Command::new("kill").args(["-TERM", &server.id().to_string()]).status().expect("kill");
+    assert!(status.success());
+    assert!(server.wait_with_output().expect("serve exits").status.success());
+    let added = add_bob();
+    assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
+    assert!(String::from_utf8_lossy(&added.stdout).starts_with("arb_"));
+}

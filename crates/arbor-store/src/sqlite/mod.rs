@@ -40,6 +40,10 @@ use crate::*;
 /// failing with "database is locked".
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long opening a database under `locking=exclusive` waits for a lock
+/// held elsewhere before it says the file is in use.
+const EXCLUSIVE_OPEN_WAIT: Duration = Duration::from_secs(1);
+
 /// Notices a slow listener may fall behind by before it is told it lagged.
 const NOTICE_BUFFER: usize = 1024;
 
@@ -103,7 +107,7 @@ impl From<rusqlite::Error> for StoreError {
 /// Where a `sqlite:` URL points.
 #[derive(Debug, PartialEq, Eq)]
 enum Location {
-    File(PathBuf, Durability),
+    File(PathBuf, Durability, Locking),
     /// `sqlite::memory:`: a private database that lives as long as the store
     /// (tests and throwaway runs).
     Memory,
@@ -126,6 +130,23 @@ enum Durability {
     Full,
 }
 
+/// Whether other processes may open the database while this one has it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum Locking {
+    /// The default: any process may open the file beside Arbor (`arbor
+    /// users add` while the server runs, the `sqlite3` shell, a backup);
+    /// every transaction takes and releases its locks with `fcntl` calls,
+    /// on the database's `-shm` file.
+    #[default]
+    Shared,
+    /// `?locking=exclusive`: the first connection takes the file for this
+    /// process until the last one closes (SQLite's `unix-excl` VFS, see
+    /// [`vfs::register`]); its connections then lock each other in memory,
+    /// with no system call, and another process's open fails at once with
+    /// an error that says so. Durability is the same.
+    Exclusive,
+}
+
 fn parse_url(url: &str) -> StoreResult<Location> {
     let rest = url
         .strip_prefix("sqlite://")
@@ -133,9 +154,19 @@ fn parse_url(url: &str) -> StoreResult<Location> {
         .ok_or_else(|| StoreError::Database(format!("{url:?} is not a sqlite:// url")))?;
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
     // Other connection parameters (`?mode=…`) are Arbor's to choose.
-    let mut durability = Durability::default();
+    let (mut durability, mut locking) = (Durability::default(), Locking::default());
     for (key, value) in query.split('&').filter_map(|pair| pair.split_once('=')) {
-        if key == "synchronous" {
+        if key == "locking" {
+            locking = match value.to_ascii_lowercase().as_str() {
+                "shared" => Locking::Shared,
+                "exclusive" => Locking::Exclusive,
+                _ => {
+                    return Err(StoreError::Database(format!(
+                        "locking={value:?} in {url:?}: use locking=shared or locking=exclusive"
+                    )));
+                }
+            };
+        } else if key == "synchronous" {
             durability = match value.to_ascii_lowercase().as_str() {
                 "normal" => Durability::Normal,
                 "full" => Durability::Full,
@@ -150,7 +181,7 @@ fn parse_url(url: &str) -> StoreResult<Location> {
     match path {
         "" => Err(StoreError::Database(format!("{url:?} names no file: use sqlite://PATH"))),
         ":memory:" => Ok(Location::Memory),
-        path => Ok(Location::File(PathBuf::from(path), durability)),
+        path => Ok(Location::File(PathBuf::from(path), durability, locking)),
     }
 }
 
@@ -195,11 +226,18 @@ impl SqliteStore {
                     notices: broadcast::channel(NOTICE_BUFFER).0,
                 })
             }
-            Location::File(path, durability) => Self::open_file(path, durability, WAL_RESTART_PAGES).await,
+            Location::File(path, durability, locking) => {
+                Self::open_file(path, durability, locking, WAL_RESTART_PAGES).await
+            }
         }
     }
 
-    async fn open_file(path: PathBuf, durability: Durability, wal_limit: std::ffi::c_int) -> StoreResult<SqliteStore> {
+    async fn open_file(
+        path: PathBuf,
+        durability: Durability,
+        locking: Locking,
+        wal_limit: std::ffi::c_int,
+    ) -> StoreResult<SqliteStore> {
         if let Some(parent) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
             tokio::fs::create_dir_all(parent)
                 .await
@@ -207,7 +245,7 @@ impl SqliteStore {
         }
         let readers = std::thread::available_parallelism().map_or(4, |count| count.get()).clamp(2, 4);
         let (writer, reader_connections, point_connections, (checkpointer, database)) = blocking(move || {
-            let mut writer = open_connection(&path)?;
+            let mut writer = open_connection(&path, locking)?;
             // A checkpoint copies the WAL into the database file and fsyncs
             // both, which takes milliseconds on a real disk. SQLite runs one
             // inside the commit that grows the WAL past 1,000 pages, so that
@@ -220,12 +258,13 @@ impl SqliteStore {
             writer.pragma_update(None, "wal_autocheckpoint", 0)?;
             writer.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
             migrate(&mut writer)?;
-            let open_readers = || (0..readers).map(|_| open_connection(&path)).collect::<StoreResult<Vec<_>>>();
+            let open_readers =
+                || (0..readers).map(|_| open_connection(&path, locking)).collect::<StoreResult<Vec<_>>>();
             // The checkpointing thread syncs the database file through a
             // handle of its own (see `checkpoint_wal`).
             let file = std::fs::File::open(&path)
                 .map_err(|error| StoreError::Database(format!("cannot open {}: {error}", path.display())))?;
-            Ok((writer, open_readers()?, open_readers()?, (open_connection(&path)?, file)))
+            Ok((writer, open_readers()?, open_readers()?, (open_connection(&path, locking)?, file)))
         })
         .await?;
         let wal_length = WalLength::default();
@@ -304,16 +343,46 @@ fn thread_error(error: std::io::Error) -> StoreError {
 }
 
 /// Opens a connection to a database file in WAL mode.
-fn open_connection(path: &Path) -> StoreResult<Connection> {
+fn open_connection(path: &Path, locking: Locking) -> StoreResult<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     // Through SQLite's unix VFS with the WAL's writes batched (see `vfs`).
-    let connection = match vfs::register() {
-        Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs)?,
-        None => Connection::open_with_flags(path, flags)?,
+    let connection = match (vfs::register(locking), locking) {
+        (Some(vfs), _) => Connection::open_with_flags_and_vfs(path, flags, vfs)?,
+        (None, Locking::Shared) => Connection::open_with_flags(path, flags)?,
+        (None, Locking::Exclusive) => {
+            return Err(StoreError::Database(
+                "locking=exclusive needs SQLite's unix-excl VFS, which this build lacks".into(),
+            ));
+        }
     };
     configure(&connection)?;
+    // The file's first lock is taken below. Another process that holds it
+    // exclusively holds it until it stops, so the caller hears that after a
+    // moment (a closing connection of this process may hold it that long,
+    // for its last checkpoint) instead of after the busy timeout.
+    if locking == Locking::Exclusive {
+        connection.busy_timeout(EXCLUSIVE_OPEN_WAIT)?;
+    }
     // WAL: readers never block the writer nor the writer readers.
-    let mode: String = connection.pragma_update_and_check(None, "journal_mode", "wal", |row| row.get(0))?;
+    let mode: String = match connection.pragma_update_and_check(None, "journal_mode", "wal", |row| row.get(0)) {
+        Ok(mode) => mode,
+        Err(error)
+            if locking == Locking::Exclusive
+                && error.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) =>
+        {
+            return Err(StoreError::Database(format!(
+                "{} is in use by another process, and locking=exclusive lets one process at a time open it \
+                 (stop the Arbor server that has it to run this command, or drop locking=exclusive from the database URL)",
+                path.display()
+            )));
+        }
+        Err(error) => return Err(error.into()),
+    };
+    if locking == Locking::Exclusive {
+        // The file is this process's now: its own connections may still
+        // wait on each other (the checkpointer on the writer, say).
+        connection.busy_timeout(BUSY_TIMEOUT)?;
+    }
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(StoreError::Database(format!("{} cannot use WAL (journal mode {mode})", path.display())));
     }
@@ -1493,13 +1562,20 @@ mod tests {
 
     #[test]
     fn urls_name_a_file_or_memory() {
-        let file = |path: &str, durability| Some(Location::File(PathBuf::from(path), durability));
+        let file = |path: &str, durability| Some(Location::File(PathBuf::from(path), durability, Locking::Shared));
         assert_eq!(parse_url("sqlite://./data/arbor.db").ok(), file("./data/arbor.db", Durability::Full));
         assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc").ok(), file("/tmp/a.db", Durability::Full));
         assert_eq!(parse_url("sqlite:///tmp/a.db?mode=rwc&synchronous=FULL").ok(), file("/tmp/a.db", Durability::Full));
         assert_eq!(parse_url("sqlite:///tmp/a.db?synchronous=normal").ok(), file("/tmp/a.db", Durability::Normal));
         let bad = parse_url("sqlite:///tmp/a.db?synchronous=off").expect_err("refused");
         assert!(bad.to_string().contains("synchronous=normal or synchronous=full"), "{bad}");
+        assert_eq!(
+            parse_url("sqlite:///tmp/a.db?locking=EXCLUSIVE&synchronous=normal").ok(),
+            Some(Location::File(PathBuf::from("/tmp/a.db"), Durability::Normal, Locking::Exclusive))
+        );
+        assert_eq!(parse_url("sqlite:///tmp/a.db?locking=shared").ok(), file("/tmp/a.db", Durability::Full));
+        let bad = parse_url("sqlite:///tmp/a.db?locking=none").expect_err("refused");
+        assert!(bad.to_string().contains("locking=shared or locking=exclusive"), "{bad}");
         assert_eq!(parse_url("sqlite::memory:").ok(), Some(Location::Memory));
         assert!(parse_url("sqlite://").is_err());
         assert!(parse_url("postgres://x").is_err());
@@ -1593,6 +1669,22 @@ mod tests {
         assert!(levels.iter().all(|&level| level == 1), "{levels:?}");
     }
 
+    /// Under `locking=exclusive` the WAL index is in this process's memory,
+    /// not in a `-shm` file other processes could map; the default makes
+    /// one, and both keep every row.
+    #[tokio::test]
+    async fn exclusive_locking_keeps_the_wal_index_in_memory() {
+        for (query, shm_file) in [("", true), ("?locking=exclusive", false)] {
+            let folder = tempfile::tempdir().expect("temp dir");
+            let path = folder.path().join("a.db");
+            let store = SqliteStore::open(&format!("sqlite://{}{query}", path.display())).await.expect("opens");
+            store.create_user(&owner()).await.expect("written");
+            assert_eq!(store.count_users().await.expect("read"), 1);
+            assert!(folder.path().join("a.db-wal").exists());
+            assert_eq!(folder.path().join("a.db-shm").exists(), shm_file, "{query:?}");
+        }
+    }
+
     fn owner() -> User {
         crate::testing::user("u")
     }
@@ -1662,7 +1754,7 @@ mod tests {
     fn a_background_copy_is_counted_once_the_database_file_holds_it() {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("a.db");
-        let writer = open_connection(&path).expect("opens");
+        let writer = open_connection(&path, Locking::Shared).expect("opens");
         writer.pragma_update(None, "wal_autocheckpoint", 0).expect("no automatic checkpoints");
         writer.execute_batch("CREATE TABLE t (v INTEGER)").expect("table");
         // The WAL's frames, from its length (a 32-byte header, then frames of
@@ -1672,7 +1764,7 @@ mod tests {
             || (std::fs::metadata(&wal_file).map_or(0, |file| file.len()).saturating_sub(32) / (24 + 4096)) as i32;
         let wal = WalLength::default();
         let checkpointer = {
-            let (wal, connection) = (wal.clone(), open_connection(&path).expect("opens"));
+            let (wal, connection) = (wal.clone(), open_connection(&path, Locking::Shared).expect("opens"));
             let file = std::fs::File::open(&path).expect("opens the file");
             std::thread::spawn(move || checkpoint_wal(&connection, &file, &wal, 1 << 20))
         };
@@ -1784,7 +1876,7 @@ mod tests {
         let folder = tempfile::tempdir().expect("temp dir");
         let path = folder.path().join("a.db");
         // A limit of 64 pages (256 KiB), so a test can pass it many times.
-        let store = SqliteStore::open_file(path.clone(), Durability::Normal, 64).await.expect("opens");
+        let store = SqliteStore::open_file(path.clone(), Durability::Normal, Locking::Shared, 64).await.expect("opens");
         store.create_user(&owner()).await.expect("user");
         let content = "x".repeat(8 * 1024);
         // 3,000 writes of 8 KiB: 24 MiB through the WAL.
