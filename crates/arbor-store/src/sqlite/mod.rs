@@ -142,8 +142,8 @@ pub(super) enum Locking {
     /// `?locking=exclusive`: the first connection takes the file for this
     /// process until the last one closes (SQLite's `unix-excl` VFS, see
     /// [`vfs::register`]); its connections then lock each other in memory,
-    /// with no system call, and another process's open fails at once with
-    /// an error that says so. Durability is the same.
+    /// with no system call, and another process's open fails within a
+    /// second with an error that says so. Durability is the same.
     Exclusive,
 }
 
@@ -156,26 +156,15 @@ fn parse_url(url: &str) -> StoreResult<Location> {
     // Other connection parameters (`?mode=…`) are Arbor's to choose.
     let (mut durability, mut locking) = (Durability::default(), Locking::default());
     for (key, value) in query.split('&').filter_map(|pair| pair.split_once('=')) {
-        if key == "locking" {
-            locking = match value.to_ascii_lowercase().as_str() {
-                "shared" => Locking::Shared,
-                "exclusive" => Locking::Exclusive,
-                _ => {
-                    return Err(StoreError::Database(format!(
-                        "locking={value:?} in {url:?}: use locking=shared or locking=exclusive"
-                    )));
-                }
-            };
-        } else if key == "synchronous" {
-            durability = match value.to_ascii_lowercase().as_str() {
-                "normal" => Durability::Normal,
-                "full" => Durability::Full,
-                _ => {
-                    return Err(StoreError::Database(format!(
-                        "synchronous={value:?} in {url:?}: use synchronous=normal or synchronous=full"
-                    )));
-                }
-            };
+        match key {
+            "synchronous" => {
+                durability = url_choice(url, key, value, [("normal", Durability::Normal), ("full", Durability::Full)])?;
+            }
+            "locking" => {
+                locking =
+                    url_choice(url, key, value, [("shared", Locking::Shared), ("exclusive", Locking::Exclusive)])?;
+            }
+            _ => {}
         }
     }
     match path {
@@ -183,6 +172,17 @@ fn parse_url(url: &str) -> StoreResult<Location> {
         ":memory:" => Ok(Location::Memory),
         path => Ok(Location::File(PathBuf::from(path), durability, locking)),
     }
+}
+
+/// The choice a URL parameter's `value` names (case-blind), or an error
+/// that lists the choices.
+fn url_choice<T: Copy>(url: &str, key: &str, value: &str, choices: [(&str, T); 2]) -> StoreResult<T> {
+    let [(first, _), (second, _)] = choices;
+    choices
+        .into_iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case(value))
+        .map(|(_, choice)| choice)
+        .ok_or_else(|| StoreError::Database(format!("{key}={value:?} in {url:?}: use {key}={first} or {key}={second}")))
 }
 
 /// A SQLite database behind the [`Store`] trait.
