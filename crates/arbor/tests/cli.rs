@@ -3,7 +3,9 @@
 //! stops cleanly on SIGTERM, and bad configs are refused with the problem
 //! named.
 
-use std::process::{Command, Stdio};
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 fn arbor() -> Command {
@@ -28,6 +30,32 @@ fn answers_http(listen: &str) -> bool {
     stream.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").is_ok()
         && stream.read_exact(&mut answer).is_ok()
         && &answer == b"HTTP/"
+}
+
+/// A loopback address no server listens on yet.
+fn free_listen() -> String {
+    format!("127.0.0.1:{}", common::free_port())
+}
+
+/// Waits (up to 10 s) until the server started at `listen` answers.
+fn wait_until_serving(listen: &str) {
+    let ready = (0..100).any(|_| {
+        let answers = answers_http(listen);
+        if !answers {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        answers
+    });
+    assert!(ready, "serve listens on {listen}");
+}
+
+/// Stops a server with SIGTERM; what it printed, once it exited cleanly.
+fn stop(server: Child) -> Output {
+    let status = Command::new("kill").args(["-TERM", &server.id().to_string()]).status().expect("kill");
+    assert!(status.success());
+    let output = server.wait_with_output().expect("serve exits");
+    assert!(output.status.success(), "a clean exit on SIGTERM: {:?}", output.status);
+    output
 }
 
 fn stdout_of(command: &mut Command) -> String {
@@ -77,8 +105,7 @@ fn a_config_with_an_unknown_key_is_refused_naming_it() {
 #[test]
 fn serve_prints_the_first_admin_key_once_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-    let listen = format!("127.0.0.1:{port}");
+    let listen = free_listen();
     let start = || {
         arbor()
             .args(["serve", "--listen", &listen, "--data-dir", dir.path().to_str().expect("path")])
@@ -89,20 +116,8 @@ fn serve_prints_the_first_admin_key_once_and_stops_on_sigterm() {
     };
     for run in 0..2 {
         let child = start();
-        // Wait for readiness.
-        let mut ready = false;
-        for _ in 0..100 {
-            if answers_http(&listen) {
-                ready = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        assert!(ready, "serve listens");
-        let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
-        assert!(status.success());
-        let output = child.wait_with_output().expect("serve exits");
-        assert!(output.status.success(), "a clean exit on SIGTERM: {:?}", output.status);
+        wait_until_serving(&listen);
+        let output = stop(child);
         let stdout = String::from_utf8_lossy(&output.stdout);
         if run == 0 {
             assert!(stdout.contains("arb_") && stdout.contains("Authorization: Bearer"), "{stdout}");
@@ -115,8 +130,7 @@ fn serve_prints_the_first_admin_key_once_and_stops_on_sigterm() {
 #[test]
 fn under_exclusive_locking_other_processes_are_told_at_once_until_the_server_stops() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-    let listen = format!("127.0.0.1:{port}");
+    let listen = free_listen();
     let config = dir.path().join("arbor.toml");
     let database = dir.path().join("arbor.db");
     std::fs::write(
@@ -132,8 +146,7 @@ fn under_exclusive_locking_other_processes_are_told_at_once_until_the_server_sto
         .stderr(Stdio::null())
         .spawn()
         .expect("serve starts");
-    let ready = (0..100).any(|_| answers_http(&listen) || (std::thread::sleep(Duration::from_millis(100)), false).1);
-    assert!(ready, "serve listens");
+    wait_until_serving(&listen);
 
     let started = std::time::Instant::now();
     let refused = add_bob();
@@ -143,9 +156,7 @@ fn under_exclusive_locking_other_processes_are_told_at_once_until_the_server_sto
     // Not after the 10 s a shared lock may be waited for.
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
 
-    let status = Command::new("kill").args(["-TERM", &server.id().to_string()]).status().expect("kill");
-    assert!(status.success());
-    assert!(server.wait_with_output().expect("serve exits").status.success());
+    stop(server);
     let added = add_bob();
     assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
     assert!(String::from_utf8_lossy(&added.stdout).starts_with("arb_"));
