@@ -6,8 +6,10 @@ Usage: report.py RESULTS_DIR REPORT_PATH
 Each load point was measured in several runs (one JSON line each, written
 by `arbor-bench load`); every figure below is the median over those runs.
 Overhead is Arbor's percentile minus the direct-to-mock percentile at the
-same rate. bench/analysis.md and bench/profile.md (written by hand after a
-run) are copied in when present.
+same rate. Written by hand after a run and copied in when present: the
+reading of the run (bench/analysis.md up to its first "###" heading) and
+the kept changes with their before and after (bench/changes.md); the rest
+of bench/analysis.md and bench/profile.md are named, not copied.
 """
 
 import json
@@ -702,10 +704,24 @@ w("")
 w("Raw results (one JSON line per run, all times in µs): `bench/results/`.")
 w("")
 
-for name in ["analysis.md", "profile.md"]:
-    path = BENCH / name
-    if path.exists() and not machine.get("smoke"):
-        w(path.read_text().rstrip())
+# The hand-written parts (not for a smoke run): the reading of this run (the
+# part of bench/analysis.md before its first "###" heading), then the kept
+# changes with their before and after (bench/changes.md). The rest of the
+# notebook stays in its files, which the last section names.
+if not machine.get("smoke"):
+    analysis = BENCH / "analysis.md"
+    if analysis.exists():
+        w(analysis.read_text().split("\n### ", 1)[0].rstrip())
         w("")
+    changes = BENCH / "changes.md"
+    if changes.exists():
+        w(changes.read_text().rstrip())
+        w("")
+    w("## The notebook")
+    w("")
+    w("Every run's reading, every experiment and its raw figures, kept or not, newest first: "
+      "`bench/analysis.md`. Where a turn's instructions go, from callgrind and perf: `bench/profile.md`. "
+      "Raw results of the earlier runs and of the A/B rounds: `bench/results/*/`.")
+    w("")
 
 REPORT.write_text("\n".join(out) + "\n")
