@@ -420,6 +420,49 @@ if durable_commits:
         w(floor)
         w("")
 
+
+def ratio_budgets():
+    """What the two ×100 LiteLLM goals ask of a turn on this machine, as
+    text, beside what the stateless floor (Arbor's HTTP stack alone) and
+    Arbor measured in the same run: the latency budget is LiteLLM's lowest
+    added p50 over 100; the throughput budget is one core's second over 100
+    times LiteLLM's sustained rate."""
+    parts = []
+    lite_low = [overhead(point("S6", rate), point("S0", rate), "latency_us", "p50") for rate in rates("S6")]
+    lite_low = [value for value in lite_low if value is not None and value > 0]
+    floor_rates = rates("F1")
+    if lite_low and floor_rates:
+        budget = min(lite_low) / 100
+        low = min(floor_rates)
+        bare = overhead(point("F1", low, "floor-0"), point("S0", low), "latency_us", "p50")
+        if bare is not None:
+            verdict = (", so on this machine even a stateless pass-through misses it" if bare > budget
+                       else ", within it")
+            parts.append(
+                f"×100 less added latency means adding at most {us(budget)} at the median (LiteLLM's lowest, "
+                f"{us(min(lite_low))}, over 100); the floor with no write at all added {us(bare)} at "
+                f"{rate_text(low)}/s in the same run{verdict}")
+    lite_top = sustained("S6", limit_us=100_000)
+    if lite_top and floor_rates:
+        target = 100 * lite_top
+        budget = 1e6 / target
+        top = max(floor_rates)
+        durable = point("F1", top, "floor-2")
+        arbor = point("S1", top, "sqlite")
+        cpu = [(name, p.get("server_cpu_us_per_request")) for name, p in (("Arbor", arbor),
+                                                                          ("the floor with two fsyncs", durable)) if p]
+        cpu_text = ", ".join(f"{name} {us(value)}" for name, value in cpu if value is not None)
+        if cpu_text:
+            parts.append(
+                f"×100 the throughput means {rate_text(target)} turns/s on Arbor's one core, at most {us(budget)} "
+                f"of CPU a turn; at {rate_text(top)}/s the CPU a turn was: {cpu_text}")
+    if parts:
+        w("What the two ×100 goals would take: " + "; ".join(parts) + ".")
+        w("")
+
+
+ratio_budgets()
+
 # ---------------------------------------------------------------- floor
 def floor_cell(p, base, field):
     """Overhead p50 / p99 over the direct call, and CPU per request."""
