@@ -219,8 +219,15 @@ impl SqliteStore {
                 })
                 .await?;
                 Ok(SqliteStore {
-                    writer: Writer::start("arbor-sqlite", connection, None, WalLength::default(), false)
-                        .map_err(thread_error)?,
+                    writer: Writer::start(
+                        "arbor-sqlite",
+                        connection,
+                        None,
+                        WalLength::default(),
+                        false,
+                        Duration::ZERO,
+                    )
+                    .map_err(thread_error)?,
                     reader: None,
                     point: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
@@ -271,9 +278,15 @@ impl SqliteStore {
         let watched_length = wal_length.clone();
         // The writer first: the checkpointing thread stops when it closes
         // the WAL length, so it must not outlive a writer that never ran.
-        let writer =
-            Writer::start("arbor-sqlite-writer", writer, Some(wal_limit), wal_length, durability == Durability::Full)
-                .map_err(thread_error)?;
+        let writer = Writer::start(
+            "arbor-sqlite-writer",
+            writer,
+            Some(wal_limit),
+            wal_length,
+            durability == Durability::Full,
+            worker::GATHER,
+        )
+        .map_err(thread_error)?;
         std::thread::Builder::new()
             .name("arbor-sqlite-checkpoint".into())
             .spawn(move || checkpoint_wal(&checkpointer, &database, &watched_length, wal_limit))
