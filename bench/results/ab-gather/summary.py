@@ -1,7 +1,8 @@
 """Per round of the gathering A/B (bench/analysis.md, "Gathering durable
 commits under load"): S1 and S2 per rate, each measured run's Arbor CPU a
 turn, p50 and p99 (ms). Rounds: off-N (no wait), on-N (wait from three
-waited-on writes), f6-N (from six, what landed).
+waited-on writes), f6-N (from six), final-N (the landed build, 50d6137:
+from six, with constants).
 
     python3 bench/results/ab-gather/summary.py bench/results/ab-gather
 """
@@ -9,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-for name in ["off-1", "on-1", "on-2", "off-2", "off-3", "f6-1", "f6-2", "off-4"]:
+for name in ["off-1", "on-1", "on-2", "off-2", "off-3", "f6-1", "f6-2", "off-4", "final-1", "off-5", "final-2"]:
     path = Path(sys.argv[1]) / name / "loads.jsonl"
     points = {}
     for line in path.read_text().splitlines():

@@ -80,12 +80,12 @@ const MAX_GROUP: usize = 64;
 /// A server below that load never waits.
 ///
 /// Measured (bench/analysis.md, "Gathering durable commits under load"):
-/// S1 at 3,000 turns/s, alternated with the wait off, kept up in 5 of 6
-/// runs (p50 2.9–3.8 ms) where the plain build queued in all 6 (p50
-/// 388–562 ms), at 291–299 µs of CPU a turn against 349–392; at 2,000/s,
-/// where commits hold fewer than six waited-on writes, nothing changed.
-/// Waiting from three writes on also helped at 3,000/s but cost up to 1.5
-/// ms of median at 2,000/s in one of two pairs.
+/// S1 at 3,000 turns/s, alternated with the wait off, kept up in 10 of 12
+/// runs (p50 2.5–4.7 ms) where the plain writer did in 3 of 15, at
+/// 291–303 µs of CPU a turn against 299–399; at 2,000/s, where commits
+/// hold fewer than six waited-on writes, nothing changed. Waiting from
+/// three writes on also helped at 3,000/s but cost up to 1.5 ms of median
+/// at 2,000/s in one of two pairs.
 pub(super) const GATHER: Duration = Duration::from_micros(300);
 const GATHER_FROM: usize = 6;
 
