@@ -89,6 +89,15 @@ const MAX_GROUP: usize = 64;
 pub(super) const GATHER: Duration = Duration::from_micros(300);
 const GATHER_FROM: usize = 6;
 
+/// Until when a durable commit due now waits for more writes, given when
+/// the last durable commit ended and how many writes someone waited on it
+/// held: see [`GATHER`]. `None`: it commits at once.
+fn gathering_until(last_durable: Option<(Instant, usize)>, gather: Duration) -> Option<Instant> {
+    let (ended, waited) = last_durable?;
+    let until = ended + gather;
+    (waited >= GATHER_FROM && Instant::now() < until).then_some(until)
+}
+
 /// How long a deferred write waits at most for another one to ride with.
 ///
 /// Long enough for the next turn's writes to come along at the rates where
@@ -383,9 +392,7 @@ impl Writer {
                 if sync
                     && open
                     && group.bodies.len() < MAX_GROUP
-                    && let Some((ended, waited)) = last_durable
-                    && waited >= GATHER_FROM
-                    && let Some(until) = Some(ended + gather).filter(|until| Instant::now() < *until)
+                    && let Some(until) = gathering_until(last_durable, gather)
                 {
                     match queue.next(Some(until)) {
                         Next::Item(job) => group.take(job),
