@@ -1792,6 +1792,10 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(wal.passes() > 0, "no copy was counted");
+        // The thread stops before the file is read: a copy it made meanwhile
+        // would change pages under a reader that takes the file as fixed.
+        wal.close();
+        checkpointer.join().expect("the thread stops");
         // An immutable connection reads the database file alone.
         let file_only = Connection::open_with_flags(
             format!("file:{}?immutable=1", path.display()),
@@ -1800,8 +1804,6 @@ mod tests {
         .expect("opens");
         let rows: i64 = file_only.query_row("SELECT count(*) FROM t", [], |row| row.get(0)).expect("reads");
         assert!(rows > 0, "the file holds none of the copied rows");
-        wal.close();
-        checkpointer.join().expect("the thread stops");
     }
 
     /// Starting the WAL over costs the commit that does it an fsync, so a
