@@ -219,15 +219,8 @@ impl SqliteStore {
                 })
                 .await?;
                 Ok(SqliteStore {
-                    writer: Writer::start(
-                        "arbor-sqlite",
-                        connection,
-                        None,
-                        WalLength::default(),
-                        false,
-                        Duration::ZERO,
-                    )
-                    .map_err(thread_error)?,
+                    writer: Writer::start("arbor-sqlite", connection, None, WalLength::default(), None)
+                        .map_err(thread_error)?,
                     reader: None,
                     point: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
@@ -283,8 +276,7 @@ impl SqliteStore {
             writer,
             Some(wal_limit),
             wal_length,
-            durability == Durability::Full,
-            worker::GATHER,
+            (durability == Durability::Full).then_some(worker::GATHER),
         )
         .map_err(thread_error)?;
         std::thread::Builder::new()

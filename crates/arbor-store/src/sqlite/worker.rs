@@ -34,8 +34,8 @@
 //! commit): it is taken when the writer wakes for the next write or for
 //! that deadline.
 //!
-//! A write someone waits on is durable when answered: with `sync_full` the
-//! group that holds one commits with `synchronous = FULL` (the WAL is
+//! A write someone waits on is durable when answered: with `sync_full` set
+//! the group that holds one commits with `synchronous = FULL` (the WAL is
 //! fsynced before the commit returns). A group of deferred writes alone
 //! commits without the fsync; the WAL is written in order, so the next
 //! waited-on commit's fsync (or the next checkpoint's) makes it durable
@@ -333,17 +333,16 @@ pub(super) struct Writer {
 impl Writer {
     /// Starts the writer. With `wal_limit` (pages; a database file in WAL
     /// mode), the writer checkpoints after a commit that leaves the WAL
-    /// longer, and keeps `wal_length` up to date. With `sync_full`, commits
-    /// that hold a waited-on write fsync (see the module's documentation),
-    /// and under load each such commit waits up to `gather` for company
-    /// (see [`GATHER`]; zero never waits).
+    /// longer, and keeps `wal_length` up to date. With `sync_full` set,
+    /// commits that hold a waited-on write fsync (see the module's
+    /// documentation), and under load each such commit waits up to the
+    /// duration it holds for company (see [`GATHER`]; zero never waits).
     pub fn start(
         name: &str,
         connection: Connection,
         wal_limit: Option<c_int>,
         wal_length: WalLength,
-        sync_full: bool,
-        gather: Duration,
+        sync_full: Option<Duration>,
     ) -> std::io::Result<Writer> {
         let (jobs, queue) = handoff::Sender::<WriteJob>::new();
         if wal_limit.is_some() {
@@ -388,10 +387,11 @@ impl Writer {
                     }
                     continue;
                 }
-                let sync = sync_full && group.waited > 0;
+                let sync = sync_full.is_some() && group.waited > 0;
                 if sync
                     && open
                     && group.bodies.len() < MAX_GROUP
+                    && let Some(gather) = sync_full
                     && let Some(until) = gathering_until(last_durable, gather)
                 {
                     match queue.next(Some(until)) {
@@ -722,12 +722,12 @@ mod tests {
     /// A writer on a fresh in-memory database with one table, and a count
     /// of the commits it makes.
     fn writer() -> (Writer, Arc<AtomicUsize>) {
-        writer_committing(false, Duration::ZERO)
+        writer_committing(None)
     }
 
     /// [`writer`], syncing the commits that hold a waited-on write when
-    /// `sync_full`, and gathering under load for `gather`.
-    fn writer_committing(sync_full: bool, gather: Duration) -> (Writer, Arc<AtomicUsize>) {
+    /// `sync_full` is set, and gathering under load for the duration it holds.
+    fn writer_committing(sync_full: Option<Duration>) -> (Writer, Arc<AtomicUsize>) {
         let connection = Connection::open_in_memory().expect("opens");
         connection.execute_batch("CREATE TABLE t (v INTEGER)").expect("table");
         let commits = Arc::new(AtomicUsize::new(0));
@@ -738,10 +738,7 @@ mod tests {
                 false
             }))
             .expect("hook");
-        (
-            Writer::start("test-writer", connection, None, WalLength::default(), sync_full, gather).expect("starts"),
-            commits,
-        )
+        (Writer::start("test-writer", connection, None, WalLength::default(), sync_full).expect("starts"), commits)
     }
 
     fn insert(value: i64) -> impl FnOnce(&Session<'_, '_>) -> StoreResult<usize> + Send + 'static {
@@ -820,7 +817,7 @@ mod tests {
     async fn under_load_a_durable_commit_waits_for_company_and_a_quiet_one_does_not() {
         // A window far longer than any pause of a loaded test machine.
         let window = Duration::from_millis(400);
-        let (writer, commits) = writer_committing(true, window);
+        let (writer, commits) = writer_committing(Some(window));
         // Quiet: each write is its own commit, sent at once.
         for value in [1, 2] {
             let sent = Instant::now();
