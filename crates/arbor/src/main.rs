@@ -4,12 +4,14 @@
 #![forbid(unsafe_code)]
 
 mod logline;
+mod logsink;
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use arbor_server::config::{Config, Overrides};
 use clap::{Args, Parser, Subcommand};
+use logsink::LogSink;
 
 /// mimalloc instead of glibc's malloc (ARCHITECTURE.md, "Deliberate choices").
 #[global_allocator]
@@ -99,15 +101,30 @@ enum KeysCommand {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.log_level.as_deref());
+    let sink = LogSink::new(std::io::stderr());
+    init_logging(cli.log_level.as_deref(), sink.clone());
+    let on_panic = sink.clone();
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        on_panic.try_flush();
+        report(info);
+    }));
     // reqwest is built without a default TLS crypto provider; pick ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    runtime.block_on(run(cli.command))
+    let idle = sink.clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_park(move || idle.idle())
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(run(cli.command));
+    drop(runtime);
+    sink.flush();
+    result
 }
 
-fn init_logging(level: Option<&str>) {
+/// Logs to `sink` (stderr, see `logsink`).
+fn init_logging(level: Option<&str>, sink: LogSink<std::io::Stderr>) {
     use tracing_subscriber::EnvFilter;
     let filter = match level {
         Some(level) => EnvFilter::new(level),
@@ -119,7 +136,7 @@ fn init_logging(level: Option<&str>) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(std::io::stderr)
+        .with_writer(sink)
         .event_format(logline::LogLine::default())
         .init();
 }
