@@ -156,49 +156,49 @@ mod tests {
         sink.write_line(text.as_bytes(), level > Level::WARN).expect("writes");
     }
 
-    /// Run on a thread of its own: whether a thread is a worker is kept per
-    /// thread, and the test harness reuses its threads.
-    fn on_own_thread(test: impl FnOnce() + Send + 'static) {
-        std::thread::spawn(test).join().expect("the test passed");
+    /// Runs `test` with a sink writing to an output it can read, on a
+    /// thread of its own: whether a thread is a worker is kept per thread,
+    /// and the test harness reuses its threads.
+    fn with_sink(test: impl FnOnce(&LogSink<Output>, &Output) + Send + 'static) {
+        std::thread::spawn(move || {
+            let output = Output::default();
+            test(&LogSink::new(output.clone()), &output);
+        })
+        .join()
+        .expect("the test passed");
     }
 
     #[test]
     fn a_thread_that_is_not_a_worker_writes_at_once() {
-        on_own_thread(|| {
-            let output = Output::default();
-            let sink = LogSink::new(output.clone());
-            line(&sink, Level::INFO, "one\n");
+        with_sink(|sink, output| {
+            line(sink, Level::INFO, "one\n");
             assert_eq!(output.text(), "one\n");
         });
     }
 
     #[test]
     fn a_workers_lines_wait_for_its_idle_moment_and_keep_their_order() {
-        on_own_thread(|| {
-            let output = Output::default();
-            let sink = LogSink::new(output.clone());
+        with_sink(|sink, output| {
             sink.idle();
-            line(&sink, Level::INFO, "request\n");
-            line(&sink, Level::DEBUG, "detail\n");
+            line(sink, Level::INFO, "request\n");
+            line(sink, Level::DEBUG, "detail\n");
             assert_eq!(output.text(), "", "written before the worker went idle");
             sink.idle();
             assert_eq!(output.text(), "request\ndetail\n");
-            line(&sink, Level::INFO, "turn finished\n");
-            line(&sink, Level::WARN, "retrying\n");
+            line(sink, Level::INFO, "turn finished\n");
+            line(sink, Level::WARN, "retrying\n");
             assert_eq!(output.text(), "request\ndetail\nturn finished\nretrying\n", "a warning waited, or came first");
         });
     }
 
     #[test]
     fn held_lines_past_the_limit_are_written_without_waiting() {
-        on_own_thread(|| {
-            let output = Output::default();
-            let sink = LogSink::new(output.clone());
+        with_sink(|sink, output| {
             sink.idle();
             let text = format!("{}\n", "x".repeat(99));
             let lines = HELD_LIMIT / text.len() + 1;
             for _ in 0..lines {
-                line(&sink, Level::INFO, &text);
+                line(sink, Level::INFO, &text);
             }
             assert_eq!(output.text().len(), lines * text.len(), "held past the limit");
         });

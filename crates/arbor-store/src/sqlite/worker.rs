@@ -387,11 +387,12 @@ impl Writer {
                     }
                     continue;
                 }
-                let sync = sync_full.is_some() && group.waited > 0;
-                if sync
+                // A group with a write someone waits on syncs, and may gather.
+                let durable = sync_full.filter(|_| group.waited > 0);
+                let sync = durable.is_some();
+                if let Some(gather) = durable
                     && open
                     && group.bodies.len() < MAX_GROUP
-                    && let Some(gather) = sync_full
                     && let Some(until) = gathering_until(last_durable, gather)
                 {
                     match queue.next(Some(until)) {
