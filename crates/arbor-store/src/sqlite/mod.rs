@@ -1768,17 +1768,21 @@ mod tests {
         let frames =
             || (std::fs::metadata(&wal_file).map_or(0, |file| file.len()).saturating_sub(32) / (24 + 4096)) as i32;
         let wal = WalLength::default();
+        // A commit each, at least a frame each: more than the thread lets
+        // wait, so it copies them at its first look. All of them before the
+        // thread starts: a copy made while commits still come stops at the
+        // last frame no reader needs and skips the pages written after it,
+        // so the file alone is readable only with the WAL (SQLite's
+        // checkpoints; CI saw 'malformed' when the two overlapped).
+        for value in 0..i64::from(CHECKPOINT_FRAMES) + 100 {
+            writer.execute("INSERT INTO t VALUES (?)", [value]).expect("inserts");
+            wal.set(frames());
+        }
         let checkpointer = {
             let (wal, connection) = (wal.clone(), open_connection(&path, Locking::Shared).expect("opens"));
             let file = std::fs::File::open(&path).expect("opens the file");
             std::thread::spawn(move || checkpoint_wal(&connection, &file, &wal, 1 << 20))
         };
-        // A commit each, at least a frame each: more than the thread lets
-        // wait, so it copies them at its next look.
-        for value in 0..i64::from(CHECKPOINT_FRAMES) + 100 {
-            writer.execute("INSERT INTO t VALUES (?)", [value]).expect("inserts");
-            wal.set(frames());
-        }
         let waited = Instant::now();
         while wal.passes() == 0 && waited.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(5));
