@@ -10,6 +10,10 @@
 # AFTER_START is a shell command run once Arbor answers, with ARBOR_PID set
 # (an experiment's setup, as in threadstat.sh).
 #
+# STREAM=1 drives streamed turns instead (the result line then has their
+# time to first token); MOCK_CHUNK_DELAY_MS=5 gives S3's mock, 20 chunks
+# 5 ms apart.
+#
 # Needs a release build (cargo build --release -p arbor -p arbor-testkit -p arbor-bench).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,5 +26,6 @@ open_work abload
 start_pair0 "$ARBOR_BIN"
 after_start
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
-  --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 2 --runs 1 --scenario abload >"$WORK/load.log" 2>&1
+  --rate "$RATE" --duration "$SECONDS_MEASURED" --warmup 2 --runs 1 --scenario abload \
+  ${STREAM:+--stream} >"$WORK/load.log" 2>&1
 grep -o 'run 1: .*' "$WORK/load.log"

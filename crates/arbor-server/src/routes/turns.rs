@@ -122,7 +122,7 @@ async fn respond_turn(
     visibility: arbor_core::event::Visibility,
 ) -> ApiResult<Response> {
     if stream {
-        return Ok(sse::respond(handle.events(), visibility, state.streams_end.clone()).into_response());
+        return Ok(sse::respond(handle.events().await, visibility, state.streams_end.clone()).into_response());
     }
     let outcome = handle.outcome().await?;
     Ok(outcome_response(&outcome))
