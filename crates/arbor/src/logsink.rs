@@ -96,6 +96,15 @@ impl<W: Write> LogSink<W> {
     }
 }
 
+impl<W: Write + Send + 'static> LogSink<W> {
+    /// Wires `runtime`'s workers to this sink: each writes the lines held
+    /// when it is about to go idle ([`LogSink::idle`]).
+    pub fn written_when_idle<'b>(&self, runtime: &'b mut tokio::runtime::Builder) -> &'b mut tokio::runtime::Builder {
+        let sink = self.clone();
+        runtime.on_thread_park(move || sink.idle())
+    }
+}
+
 /// One line's writer: `may_wait` for a line below `WARN`.
 pub struct LineWriter<'a, W> {
     sink: &'a LogSink<W>,
@@ -211,11 +220,8 @@ mod tests {
     fn a_runtime_writes_its_tasks_lines_when_it_goes_idle() {
         let output = Output::default();
         let sink = LogSink::new(output.clone());
-        let parked = sink.clone();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_time()
-            .on_thread_park(move || parked.idle())
+        let runtime = sink
+            .written_when_idle(tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_time())
             .build()
             .expect("runtime");
         let logging = sink.clone();

@@ -111,10 +111,8 @@ fn main() -> anyhow::Result<()> {
     }));
     // reqwest is built without a default TLS crypto provider; pick ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let idle = sink.clone();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .on_thread_park(move || idle.idle())
+    let runtime = sink
+        .written_when_idle(tokio::runtime::Builder::new_multi_thread().enable_all())
         .build()
         .context("starting the async runtime")?;
     let result = runtime.block_on(run(cli.command));
