@@ -107,7 +107,7 @@ start_pair0() { # ARBOR_BIN [DELAY_MS]
 # then calls `load_result`.
 start_load12() { # RATE SCENARIO
   taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \
-    --rate "$1" --duration 12 --warmup 2 --runs 1 --scenario "$2" >"$WORK/load.log" 2>&1 &
+    --rate "$1" --duration 12 --warmup 2 --runs 1 --scenario "$2" ${STREAM:+--stream} >"$WORK/load.log" 2>&1 &
   LOAD_PID=$!
   sleep 5
 }

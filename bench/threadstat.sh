@@ -15,6 +15,9 @@
 # MOCK_DELAY_MS sets the mock's delay (default 0; 60 is S2's shape, where
 # ~RATE*0.06 turns are in flight at once).
 #
+# STREAM=1 drives streamed turns instead (with MOCK_CHUNK_DELAY_MS=5, S3's
+# mock: 20 chunks 5 ms apart).
+#
 # AFTER_START is a shell command run once Arbor answers, with ARBOR_PID set
 # (an experiment's setup, e.g. `chrt` on one of its threads).
 #

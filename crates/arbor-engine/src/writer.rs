@@ -1,8 +1,8 @@
 //! The batched event writer. Emitting an event on the hot path is an
 //! in-memory append and a channel send; this task writes what accumulated to
-//! the store in one transaction per batch. Under load batches grow by
-//! themselves (everything that arrived while the last write ran goes in the
-//! next one); when idle each event is written as soon as it comes.
+//! the store in one transaction per batch. A batch gathers for [`GATHER`]
+//! after its first event, and under load also takes everything that
+//! arrived while the last write ran.
 //!
 //! Events the database numbers (several nodes) are the exception: each
 //! batch of them is a statement and a commit on the shared database, and
@@ -49,6 +49,17 @@ enum Message {
 /// node watches their conversation. Viewers on other nodes see them this
 /// much later at most (a turn's end and its answer are never held).
 pub(crate) const HOLD_UNWATCHED: Duration = Duration::from_millis(50);
+
+/// How long events this node numbers gather before they are stored
+/// together (a turn's first events with its last, a stream's pieces a few
+/// at a time). Each batch is rows for the store's deferred write, which
+/// rides in the next commit someone waits for; stored one batch per
+/// commit, a streamed turn made a row of one event for each of its pieces,
+/// and a row in the events' index by conversation. Viewers never wait for
+/// this: they are served from the hub's memory, which keeps every event
+/// until it is stored. It adds to what a crash of Arbor itself can lose
+/// (on SQLite the store's own deferral adds up to 50 ms).
+pub(crate) const GATHER: Duration = Duration::from_millis(20);
 
 #[derive(Clone)]
 pub(crate) struct EventWriter {
@@ -116,25 +127,38 @@ async fn run(
 ) {
     let mut batch: Vec<Event> = Vec::with_capacity(256);
     let mut marks: Vec<(Arc<AtomicI64>, i64)> = Vec::new();
+    // When `batch` is due to be stored, while it gathers.
+    let mut gather_until: Option<tokio::time::Instant> = None;
     let mut unnumbered: Vec<(Event, Weak<Hub>)> = Vec::new();
     // When the oldest of `unnumbered` came, while they are held.
     let mut held_since: Option<tokio::time::Instant> = None;
     let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
     loop {
-        let first = match held_since {
-            None => receiver.recv().await,
-            Some(since) => tokio::select! {
-                message = receiver.recv() => message,
-                () = tokio::time::sleep_until(since + hold) => Some(Message::Release),
+        let deadline = match (gather_until, held_since.map(|since| since + hold)) {
+            (Some(gather), Some(held)) => Some(gather.min(held)),
+            (gather, held) => gather.or(held),
+        };
+        let first = match deadline {
+            None => receiver.recv().await.map_or(Wake::Closed, Wake::Message),
+            Some(deadline) => tokio::select! {
+                message = receiver.recv() => message.map_or(Wake::Closed, Wake::Message),
+                () = tokio::time::sleep_until(deadline) => Wake::Due,
             },
         };
         // Gone once the engine is: what is held is stored before the end.
-        let closed = first.is_none();
+        let closed = matches!(first, Wake::Closed);
         let mut release = closed;
-        let mut next = first;
+        let mut store_now = closed;
+        let mut next = match first {
+            Wake::Message(message) => Some(message),
+            Wake::Due | Wake::Closed => None,
+        };
         while let Some(message) = next.take() {
             match message {
                 Message::Event(event, mark) => {
+                    if batch.is_empty() {
+                        gather_until = Some(tokio::time::Instant::now() + GATHER);
+                    }
                     marks.push((mark, event.seq));
                     batch.push(event);
                 }
@@ -145,6 +169,7 @@ async fn run(
                 Message::Release => release = true,
                 Message::Flush(waiter) => {
                     release = true;
+                    store_now = true;
                     waiters.push(waiter);
                 }
             }
@@ -152,9 +177,14 @@ async fn run(
                 next = receiver.try_recv().ok();
             } else {
                 release = true;
+                store_now = true;
             }
         }
-        if !batch.is_empty() {
+        let now = tokio::time::Instant::now();
+        release = release || held_since.is_some_and(|since| now >= since + hold);
+        store_now = store_now || gather_until.is_some_and(|until| now >= until);
+        if !batch.is_empty() && store_now {
+            gather_until = None;
             write_with_retries(store.as_ref(), &batch, &closing).await;
             for (mark, seq) in marks.drain(..) {
                 mark.fetch_max(seq, Ordering::AcqRel);
@@ -166,7 +196,7 @@ async fn run(
                 held_since = None;
                 number_and_publish(store.as_ref(), &closing, std::mem::take(&mut unnumbered)).await;
             } else {
-                held_since.get_or_insert_with(tokio::time::Instant::now);
+                held_since.get_or_insert(now);
             }
         }
         for waiter in waiters.drain(..) {
@@ -176,6 +206,15 @@ async fn run(
             return;
         }
     }
+}
+
+/// What ended the writer's wait.
+enum Wake {
+    Message(Message),
+    /// A batch's gathering or a hold ran out.
+    Due,
+    /// The engine is gone.
+    Closed,
 }
 
 /// Stores a batch, retrying while the store fails. The batch's events stay
@@ -537,5 +576,38 @@ mod tests {
         write_with_retries(&store, &batch, &CancellationToken::new()).await;
         assert_eq!(store.events_after("c2", 0, 10).await.expect("reads"), [event("c2", 1), event("c2", 2)]);
         assert_eq!(store.events_after("c1", 0, 10).await.expect("reads"), [event("c1", 1)]);
+    }
+
+    /// Rows in the SQLite file's events table (a run of a conversation's
+    /// events in a batch is one row).
+    fn event_rows(folder: &std::path::Path) -> i64 {
+        let connection = rusqlite::Connection::open(folder.join("arbor.db")).expect("opens");
+        connection.query_row("SELECT count(*) FROM events", [], |row| row.get(0)).expect("counts")
+    }
+
+    /// A stream's pieces, emitted a few milliseconds apart, are stored
+    /// together once the batch has gathered: one row, not one a piece. A
+    /// flush stores what is gathering at once.
+    #[tokio::test]
+    async fn events_gather_before_they_are_stored() {
+        use crate::hub::{Hub, Numbering};
+        let folder = tempfile::tempdir().expect("temp dir");
+        let store: Arc<dyn Store> = Arc::new(store_with(folder.path(), &["c1"]).await);
+        let (writer, _task) = EventWriter::start(store.clone(), CancellationToken::new());
+        let hub = Hub::new("c1", 0, writer.clone(), Numbering::Local, Default::default());
+        let started = Instant::now();
+        for piece in 0..3 {
+            hub.emit(None, EventName::Delta, &serde_json::json!({ "piece": piece }));
+            // Long enough for the writer to take each piece on its own.
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        let took = stored(&*store, "c1", 3).await + Duration::from_millis(9);
+        assert!(took >= GATHER, "stored {took:?} after the first piece, before the batch gathered");
+        assert!(started.elapsed() >= GATHER);
+        assert_eq!(event_rows(folder.path()), 1, "the pieces were stored in more than one batch");
+
+        hub.emit(None, EventName::Delta, &serde_json::json!({ "piece": 3 }));
+        writer.flush().await;
+        assert_eq!(store.last_event_seq("c1").await.expect("reads"), 4, "a flush left events gathering");
     }
 }
