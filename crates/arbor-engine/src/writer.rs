@@ -137,10 +137,8 @@ async fn run(
     let mut held_since: Option<tokio::time::Instant> = None;
     let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
     loop {
-        let deadline = match (gather_until, held_since.map(|since| since + hold)) {
-            (Some(gather), Some(held)) => Some(gather.min(held)),
-            (gather, held) => gather.or(held),
-        };
+        let held_until = held_since.map(|since| since + hold);
+        let deadline = gather_until.into_iter().chain(held_until).min();
         let first = match deadline {
             None => receiver.recv().await.map_or(Wake::Closed, Wake::Message),
             Some(deadline) => tokio::select! {
@@ -184,7 +182,7 @@ async fn run(
             }
         }
         let now = tokio::time::Instant::now();
-        release = release || held_since.is_some_and(|since| now >= since + hold);
+        release = release || held_until.is_some_and(|until| now >= until);
         store_now = store_now || gather_until.is_some_and(|until| now >= until);
         if !batch.is_empty() && store_now {
             gather_until = None;
@@ -523,10 +521,15 @@ mod tests {
         }
     }
 
+    /// A connection of its own to the database `store_with` made in `folder`.
+    fn outside_connection(folder: &std::path::Path) -> rusqlite::Connection {
+        rusqlite::Connection::open(folder.join("arbor.db")).expect("opens")
+    }
+
     /// Makes every insert into the store's events fail until the trigger
     /// `outage` is dropped; returns the connection that made it.
     fn start_outage(folder: &std::path::Path) -> rusqlite::Connection {
-        let outside = rusqlite::Connection::open(folder.join("arbor.db")).expect("opens");
+        let outside = outside_connection(folder);
         outside
             .execute_batch(
                 "CREATE TRIGGER outage BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk trouble'); END;",
@@ -584,8 +587,7 @@ mod tests {
     /// Rows in the SQLite file's events table (a run of a conversation's
     /// events in a batch is one row).
     fn event_rows(folder: &std::path::Path) -> i64 {
-        let connection = rusqlite::Connection::open(folder.join("arbor.db")).expect("opens");
-        connection.query_row("SELECT count(*) FROM events", [], |row| row.get(0)).expect("counts")
+        outside_connection(folder).query_row("SELECT count(*) FROM events", [], |row| row.get(0)).expect("counts")
     }
 
     /// A stream's pieces, emitted a few milliseconds apart, are stored
