@@ -190,6 +190,8 @@ pub(crate) async fn interrupt(engine: &Engine, mut turn: Turn) -> EngineResult<(
     turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
     engine.inner.store.update_turn(&turn).await?;
     let hub = engine.hub(&turn.conversation_id).await?;
+    // The messages recorded above moved the head without the hub.
+    hub.forget_conversation();
     let turn_id: Arc<str> = Arc::from(turn.id.as_str());
     hub.emit(
         Some(&turn_id),

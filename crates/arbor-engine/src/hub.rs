@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use arbor_core::Node;
 use arbor_core::tree::Tree;
-use arbor_store::{Turn, User};
+use arbor_store::{Conversation, Turn, User};
 
 use crate::models::ResolvedModel;
 use crate::submit::QueueMode;
@@ -151,6 +151,19 @@ pub(crate) struct Hub {
     /// The engine's count of bytes cached trees grew by since its last
     /// sweep of quiet hubs; this hub adds what it caches.
     trees_grown: Arc<AtomicUsize>,
+    /// The conversation's row as this node last read or wrote it, kept only
+    /// while the engine is the database's only writer (see
+    /// [`Hub::known_conversation`]).
+    known: Mutex<Known>,
+}
+
+/// A conversation's row kept in memory, and a count of the changes made to
+/// it here: a row read from the store is kept only if no change came
+/// between the read's start and its end.
+#[derive(Default)]
+struct Known {
+    row: Option<Conversation>,
+    changes: u64,
 }
 
 /// What a new viewer gets: the recent events after its position, and a
@@ -199,6 +212,7 @@ impl Hub {
             flushed: Arc::new(AtomicI64::new(last_seq)),
             tree: Mutex::new(None),
             trees_grown,
+            known: Mutex::new(Known::default()),
         })
     }
 
@@ -253,6 +267,7 @@ impl Hub {
     /// its context from memory.
     pub(crate) fn advance_tree(&self, from_version: i64, to_version: i64, nodes: &[Node]) {
         let one_step = to_version == from_version + 1;
+        self.advance_known(from_version, to_version, nodes.last());
         let mut cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         // Taken out, so the copy grows in place when nobody else holds it.
         let base = known_tree(cache.take().as_ref(), from_version);
@@ -267,6 +282,52 @@ impl Hub {
                 *cache = Some((to_version, tree));
             }
             _ => *cache = None,
+        }
+    }
+
+    /// The conversation's row as kept here, and the count of changes to
+    /// pass to [`Hub::remember_conversation`] after reading it from the
+    /// store instead.
+    ///
+    /// Only the engine keeps a row, and only when it is the database's
+    /// only writer: then every change to the row is made by this process,
+    /// and each one either updates the kept row (a head this node moved,
+    /// [`Hub::advance_tree`]) or drops it ([`Hub::forget_conversation`]).
+    pub(crate) fn known_conversation(&self) -> (Option<Conversation>, u64) {
+        let known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        (known.row.clone(), known.changes)
+    }
+
+    /// Keeps `row`, read from the store after [`Hub::known_conversation`]
+    /// returned `changes`, unless the row changed here since (the read may
+    /// have seen the state before that change).
+    pub(crate) fn remember_conversation(&self, row: Conversation, changes: u64) {
+        let mut known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if known.changes == changes {
+            known.row = Some(row);
+        }
+    }
+
+    /// Drops the kept row: something changed it that the hub cannot follow
+    /// (its settings, its deletion, a recovery's messages).
+    pub(crate) fn forget_conversation(&self) {
+        let mut known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        known.row = None;
+        known.changes += 1;
+    }
+
+    /// The kept row follows a head this node moved one step to `last`;
+    /// any other step (a head moved to an older message, a jump another
+    /// writer made) drops it.
+    fn advance_known(&self, from_version: i64, to_version: i64, last: Option<&Node>) {
+        let mut known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        known.changes += 1;
+        match (known.row.as_mut(), last) {
+            (Some(row), Some(last)) if row.head_version == from_version && to_version == from_version + 1 => {
+                row.head_version = to_version;
+                row.head_id = Some(last.id.clone());
+            }
+            _ => known.row = None,
         }
     }
 

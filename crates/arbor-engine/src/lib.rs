@@ -183,6 +183,10 @@ pub(crate) struct Inner {
     pub metrics: metrics::Metrics,
     /// This process's name among the nodes sharing the database.
     pub node_id: String,
+    /// One node on a database no other process writes: every change to a
+    /// conversation's row is made here, so a busy conversation's row is
+    /// kept in its hub instead of read for each turn.
+    keeps_rows: bool,
 }
 
 impl Inner {
@@ -311,8 +315,10 @@ impl Engine {
         let (writer, _task) = EventWriter::start(store.clone(), closing.clone());
         let (launcher, mut launches) = tokio::sync::mpsc::unbounded_channel();
         let hubs = Hubs::new(config.idle_conversations_kept, config.idle_conversations_bytes);
+        let keeps_rows = !config.shared && store.sole_writer();
         let engine = Engine {
             inner: Arc::new(Inner {
+                keeps_rows,
                 store,
                 models,
                 config,
@@ -463,14 +469,35 @@ impl Engine {
     }
 
     /// The user's conversation and their available credits (`None`:
-    /// unlimited), in one read.
+    /// unlimited), in one read, or without one: a busy conversation of an
+    /// unlimited user is kept in its hub when the engine is the database's
+    /// only writer (`Inner::keeps_rows`). A user's credits are only set
+    /// with the server stopped then (`arbor users credits` cannot open the
+    /// database beside it), so an unlimited user stays unlimited; a
+    /// limited user's credits change with each call and are always read.
     async fn conversation_for_turn(
         &self,
         user: &User,
         conversation_id: &str,
     ) -> EngineResult<(Conversation, Option<i64>)> {
-        let found = self.inner.store.conversation_for_turn(&user.id, conversation_id).await?;
-        found.ok_or(EngineError::NotFound("conversation"))
+        let hub = self.hub_if_loaded(conversation_id).filter(|_| self.inner.keeps_rows);
+        let changes = match &hub {
+            Some(hub) => match hub.known_conversation() {
+                (Some(row), _) if row.owner_id == user.id => return Ok((row, None)),
+                (_, changes) => Some(changes),
+            },
+            None => None,
+        };
+        let (row, available) = self
+            .inner
+            .store
+            .conversation_for_turn(&user.id, conversation_id)
+            .await?
+            .ok_or(EngineError::NotFound("conversation"))?;
+        if let (Some(hub), Some(changes), None) = (&hub, changes, available) {
+            hub.remember_conversation(row.clone(), changes);
+        }
+        Ok((row, available))
     }
 
     pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
@@ -523,11 +550,14 @@ impl Engine {
         validate_text("title", update.title.as_deref(), 1024)?;
         validate_text("system_prompt", update.system_prompt.as_deref(), self.inner.config.limits.max_message_bytes)?;
         update.updated_at = now_millis();
-        self.inner
+        let updated = self
+            .inner
             .store
             .update_conversation(&user.id, conversation_id, &update)
             .await
-            .map_err(not_found("conversation"))
+            .map_err(not_found("conversation"));
+        self.forget_conversation(conversation_id);
+        updated
     }
 
     pub async fn delete_conversation(&self, user: &User, conversation_id: &str) -> EngineResult<()> {
@@ -535,7 +565,19 @@ impl Engine {
         if let Some(running) = self.hub_if_loaded(&conversation.id).and_then(|hub| hub.running()) {
             running.cancel.cancel();
         }
-        self.inner.store.delete_conversation(&user.id, conversation_id).await.map_err(not_found("conversation"))
+        let deleted =
+            self.inner.store.delete_conversation(&user.id, conversation_id).await.map_err(not_found("conversation"));
+        self.forget_conversation(conversation_id);
+        deleted
+    }
+
+    /// Drops the row a loaded conversation keeps (see
+    /// [`Engine::conversation_for_turn`]) after a change the hub cannot
+    /// follow.
+    pub(crate) fn forget_conversation(&self, conversation_id: &str) {
+        if let Some(hub) = self.hub_if_loaded(conversation_id) {
+            hub.forget_conversation();
+        }
     }
 
     // ---- turns ----
@@ -985,6 +1027,148 @@ mod tests {
             self.called.store(true, Ordering::SeqCst);
             arbor_providers::demo::DemoProvider::default().stream(request).await
         }
+    }
+
+    /// The demo model, keeping each request's system prompt and how many
+    /// messages of context it carried.
+    #[derive(Default)]
+    struct RecordingDemo {
+        requests: Mutex<Vec<(Option<String>, usize)>>,
+    }
+
+    #[async_trait::async_trait]
+    impl arbor_providers::Provider for RecordingDemo {
+        fn kind(&self) -> &'static str {
+            "demo"
+        }
+
+        async fn stream(
+            &self,
+            request: arbor_providers::ChatRequest,
+        ) -> Result<arbor_providers::ChunkStream, arbor_core::ProviderError> {
+            lock(&self.requests).push((request.system.clone(), request.messages.len()));
+            arbor_providers::demo::DemoProvider::default().stream(request).await
+        }
+    }
+
+    /// A kept row follows a head moved one step to a new message; a read
+    /// that a change overtook is not kept (it may predate the change); any
+    /// other move drops the row.
+    #[tokio::test]
+    async fn a_kept_row_is_never_older_than_the_last_change() {
+        let writer = EventWriter::in_memory().await;
+        let mut hubs = Hubs::new(10, usize::MAX);
+        let hub = load(&mut hubs, &writer, "c");
+        let user = Node::new("u1", "c", None, Message::user("hello"), 0);
+
+        let (none, changes) = hub.known_conversation();
+        assert!(none.is_none());
+        hub.advance_tree(0, 1, std::slice::from_ref(&user));
+        hub.remember_conversation(arbor_store::testing::conversation("ann", "c"), changes);
+        assert!(hub.known_conversation().0.is_none(), "read before the head moved: not kept");
+
+        let (_, changes) = hub.known_conversation();
+        let row = Conversation {
+            head_id: Some("u1".into()),
+            head_version: 1,
+            ..arbor_store::testing::conversation("ann", "c")
+        };
+        hub.remember_conversation(row, changes);
+        let reply = Node::new("a1", "c", Some("u1".into()), Message::assistant("hi"), 0);
+        hub.advance_tree(1, 2, std::slice::from_ref(&reply));
+        let kept = hub.known_conversation().0.expect("followed");
+        assert_eq!((kept.head_id.as_deref(), kept.head_version), (Some("a1"), 2));
+
+        // A head moved back to an older message (no new one), a jump of
+        // two versions, an explicit forget: each drops it.
+        hub.advance_tree(2, 3, &[]);
+        assert!(hub.known_conversation().0.is_none());
+        let (_, changes) = hub.known_conversation();
+        hub.remember_conversation(Conversation { head_version: 3, ..kept.clone() }, changes);
+        hub.advance_tree(3, 5, std::slice::from_ref(&reply));
+        assert!(hub.known_conversation().0.is_none());
+        let (_, changes) = hub.known_conversation();
+        hub.remember_conversation(kept, changes);
+        hub.forget_conversation();
+        assert!(hub.known_conversation().0.is_none());
+    }
+
+    /// On a database only the engine writes (here in memory), a busy
+    /// conversation's turns take its row from the hub: the kept row
+    /// follows each head the turns move, so every turn answers the whole
+    /// path; a change of settings drops it, so the next turn has the new
+    /// system prompt; and a deleted conversation is not found.
+    #[tokio::test]
+    async fn a_busy_conversations_kept_row_follows_every_change() {
+        let provider = Arc::new(RecordingDemo::default());
+        let engine = engine_with(provider.clone(), EngineConfig::default()).await;
+        assert!(engine.inner.keeps_rows, "an in-memory database has one writer");
+        let (user, _) = engine.create_user("ann", false).await.expect("user");
+        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
+        let stored = || async { engine.store().conversation(&user.id, &conversation.id).await.expect("read") };
+        for text in ["one", "two", "three", "four"] {
+            start_turn(&engine, &user, &conversation.id, text).await.outcome().await.expect("turn");
+        }
+        let hub = engine.hub_if_loaded(&conversation.id).expect("loaded");
+        let kept = hub.known_conversation().0.expect("kept after a turn read it");
+        let row = stored().await.expect("exists");
+        assert_eq!((&kept.head_id, kept.head_version), (&row.head_id, row.head_version), "follows the head");
+        // Turns 3 and 4 took the kept row; each sent the whole path.
+        let contexts: Vec<usize> = lock(&provider.requests).iter().map(|(_, messages)| *messages).collect();
+        assert_eq!(contexts, [1, 3, 5, 7]);
+
+        let update = ConversationUpdate { system_prompt: Some("Answer in French.".into()), ..Default::default() };
+        engine.update_conversation(&user, &conversation.id, update).await.expect("updates");
+        assert!(hub.known_conversation().0.is_none(), "dropped by the change");
+        start_turn(&engine, &user, &conversation.id, "five").await.outcome().await.expect("turn");
+        start_turn(&engine, &user, &conversation.id, "six").await.outcome().await.expect("turn");
+        let last: Vec<_> = lock(&provider.requests).iter().skip(4).cloned().collect();
+        assert_eq!(last, [(Some("Answer in French.".into()), 9), (Some("Answer in French.".into()), 11)]);
+
+        // Another user cannot reach it through the kept row.
+        let (bob, _) = engine.create_user("bob", false).await.expect("user");
+        assert!(hub.known_conversation().0.is_some());
+        let refused = engine.submit(&bob, &conversation.id, Submit::message("mine?")).await;
+        assert!(matches!(refused, Err(EngineError::NotFound("conversation"))), "{:?}", refused.err());
+
+        engine.delete_conversation(&user, &conversation.id).await.expect("deletes");
+        let gone = engine.submit(&user, &conversation.id, Submit::message("seven")).await;
+        assert!(matches!(gone, Err(EngineError::NotFound("conversation"))), "{:?}", gone.err());
+    }
+
+    /// A row is kept only for an unlimited user on a database no other
+    /// process writes: a limited user's credits change with every call, and
+    /// another process may change anything on a shared database file.
+    #[tokio::test]
+    async fn rows_are_read_for_limited_users_and_on_shared_databases() {
+        let engine = demo_engine(EngineConfig::default()).await;
+        let (user, _) = engine.create_user("ann", false).await.expect("user");
+        engine.store().set_balance(&user.id, Some(1_000_000)).await.expect("limits");
+        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
+        for text in ["one", "two", "three"] {
+            start_turn(&engine, &user, &conversation.id, text).await.outcome().await.expect("turn");
+        }
+        let hub = engine.hub_if_loaded(&conversation.id).expect("loaded");
+        assert!(hub.known_conversation().0.is_none(), "a limited user's turn reads its credits");
+
+        let folder = tempfile::tempdir().expect("folder");
+        let url = format!("sqlite://{}", folder.path().join("shared.db").display());
+        let store = arbor_store::sqlite::SqliteStore::open(&url).await.expect("opens");
+        assert!(!store.sole_writer(), "the default locking lets other processes write");
+        let providers = HashMap::from([(
+            "demo".to_string(),
+            Arc::new(arbor_providers::demo::DemoProvider::default()) as Arc<dyn arbor_providers::Provider>,
+        )]);
+        let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
+            .expect("the demo model");
+        let engine = Engine::start(Arc::new(store), models, EngineConfig::default()).await.expect("starts");
+        let (user, _) = engine.create_user("ann", false).await.expect("user");
+        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
+        for text in ["one", "two", "three"] {
+            start_turn(&engine, &user, &conversation.id, text).await.outcome().await.expect("turn");
+        }
+        let hub = engine.hub_if_loaded(&conversation.id).expect("loaded");
+        assert!(hub.known_conversation().0.is_none(), "another process may have changed it");
     }
 
     /// A streamed turn's model call goes out before its viewer's stream

@@ -80,6 +80,15 @@ pub async fn open(database_url: &str) -> StoreResult<std::sync::Arc<dyn Store>> 
 /// tasks; each method is one transaction unless it says otherwise.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
+    /// Whether this process is the only one that can write the database
+    /// while it has it open (SQLite under `locking=exclusive`, or in
+    /// memory): then a row this process wrote stays as written until it
+    /// writes it again, and the engine may keep busy conversations' rows in
+    /// memory instead of reading them back for each turn.
+    fn sole_writer(&self) -> bool {
+        false
+    }
+
     // ---- users and keys ----
 
     /// Creates a user. `Conflict` when the name is taken.

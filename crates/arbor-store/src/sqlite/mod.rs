@@ -200,6 +200,9 @@ pub struct SqliteStore {
     /// (The WAL checkpointing thread stops when the writer does, once the
     /// last clone of the store is gone.)
     notices: broadcast::Sender<Notice>,
+    /// No other process can write the database (`locking=exclusive`, or in
+    /// memory): see [`Store::sole_writer`].
+    sole_writer: bool,
 }
 
 impl SqliteStore {
@@ -224,6 +227,7 @@ impl SqliteStore {
                     reader: None,
                     point: None,
                     notices: broadcast::channel(NOTICE_BUFFER).0,
+                    sole_writer: true,
                 })
             }
             Location::File(path, durability, locking) => {
@@ -288,6 +292,7 @@ impl SqliteStore {
             reader: Some(Readers::start("arbor-sqlite-reader", reader_connections).map_err(thread_error)?),
             point: Some(Arc::new(PointReaders::new(point_connections))),
             notices: broadcast::channel(NOTICE_BUFFER).0,
+            sole_writer: locking == Locking::Exclusive,
         })
     }
 
@@ -905,6 +910,10 @@ fn changed_one(changed: usize) -> StoreResult<()> {
 
 #[async_trait]
 impl Store for SqliteStore {
+    fn sole_writer(&self) -> bool {
+        self.sole_writer
+    }
+
     async fn create_user(&self, user: &User) -> StoreResult<()> {
         let user = user.clone();
         self.write(move |connection| {
