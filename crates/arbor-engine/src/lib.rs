@@ -1029,6 +1029,38 @@ mod tests {
         }
     }
 
+    /// A viewer that falls behind the live channel (it holds a few dozen
+    /// events) catches up from the store and the hub's memory: it still
+    /// gets every event once and in order, then the live ones.
+    #[tokio::test]
+    async fn a_viewer_that_falls_behind_gets_every_event_once_in_order() {
+        let engine = demo_engine(EngineConfig::default()).await;
+        let (user, _) = engine.create_user("ann", false).await.expect("user");
+        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
+        let mut events = engine.events(&user, &conversation.id, 0, Until::Forever).await.expect("stream");
+        let hub = engine.hub_if_loaded(&conversation.id).expect("loaded");
+        let turn: Arc<str> = Arc::from("t1");
+        // Emitted without a pause for the viewer: far more than the live
+        // channel holds. Half are stored before the viewer reads anything.
+        for index in 0..300 {
+            hub.emit(Some(&turn), EventName::TraceDelta, &serde_json::json!({"n": index}));
+            if index == 150 {
+                engine.inner.writer.flush().await;
+            }
+        }
+        let mut next = async || {
+            let event = tokio::time::timeout(Duration::from_secs(10), events.next()).await.expect("in time");
+            event.expect("open").data_json()["n"].as_i64().expect("n")
+        };
+        let mut seen = Vec::new();
+        for _ in 0..300 {
+            seen.push(next().await);
+        }
+        assert_eq!(seen, (0..300).collect::<Vec<_>>());
+        hub.emit(Some(&turn), EventName::TraceDelta, &serde_json::json!({"n": 300}));
+        assert_eq!(next().await, 300, "live again after catching up");
+    }
+
     /// The demo model, keeping each request's system prompt and how many
     /// messages of context it carried.
     #[derive(Default)]
