@@ -2,6 +2,7 @@
 //! the hub's recent buffer) followed by live events, in seq order, with no gap
 //! and no duplicate — also when a slow viewer falls behind the live channel.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -9,14 +10,12 @@ use std::task::{Context, Poll};
 use arbor_core::Event;
 use arbor_store::Store;
 use futures_util::Stream;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 
 use crate::hub::{Hub, Subscription};
 
 /// Store reads are paged so a long history does not arrive as one query.
 const STORE_PAGE: u32 = 500;
-/// Events buffered between the follower task and the viewer.
-const VIEWER_BUFFER: usize = 256;
 
 /// When a viewer's stream ends.
 #[derive(Debug, Clone)]
@@ -30,21 +29,21 @@ pub enum Until {
 
 /// A viewer's stream of events.
 pub struct EventStream {
-    receiver: mpsc::Receiver<Event>,
+    events: Pin<Box<dyn Stream<Item = Event> + Send>>,
 }
 
 impl Stream for EventStream {
     type Item = Event;
 
     fn poll_next(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Option<Event>> {
-        self.receiver.poll_recv(context)
+        self.events.as_mut().poll_next(context)
     }
 }
 
 /// A turn's event stream before anyone asked for it: a JSON turn's caller
-/// only waits for the outcome, so it costs no subscription, no channel and
-/// no follower task, and its conversation stays unwatched (its events may
-/// wait to be stored together). The stream, when asked for, starts from the
+/// only waits for the outcome, so it costs no subscription, and its
+/// conversation stays unwatched (its events may wait to be stored
+/// together). The stream, when asked for, starts from the
 /// seq the turn started after: what came before the subscription is
 /// replayed from the hub's memory or the store, as for any viewer.
 pub(crate) struct PendingEvents {
@@ -76,6 +75,11 @@ impl PendingEvents {
 }
 
 /// Starts following `hub` for a viewer that has seen everything up to `after`.
+///
+/// The stream is polled by whoever reads it (a response body): no task of
+/// its own, no channel between. Live events wait in the hub's broadcast
+/// channel until read; a viewer that falls further behind than it holds
+/// catches up from the hub's memory and the store, as a new viewer does.
 pub(crate) fn follow(
     store: Arc<dyn Store>,
     hub: Arc<Hub>,
@@ -83,110 +87,118 @@ pub(crate) fn follow(
     after: i64,
     until: Until,
 ) -> EventStream {
-    let (sender, receiver) = mpsc::channel(VIEWER_BUFFER);
-    tokio::spawn(async move {
-        let mut follower = Follower { store, hub, sender, last: after, until };
-        follower.run(subscription).await;
+    let follower = Follower {
+        store,
+        hub,
+        subscription,
+        last: after,
+        until,
+        stage: Stage::Stored,
+        ready: VecDeque::new(),
+        finished: false,
+    };
+    let events = futures_util::stream::unfold(follower, |mut follower| async move {
+        let event = follower.next().await?;
+        Some((event, follower))
     });
-    EventStream { receiver }
+    EventStream { events: Box::pin(events) }
+}
+
+/// Where a follower reads next.
+enum Stage {
+    /// The store's events below the subscription's memory window.
+    Stored,
+    /// The subscription's backlog from the hub's memory.
+    Backlog,
+    /// The live channel.
+    Live,
 }
 
 struct Follower {
     store: Arc<dyn Store>,
     hub: Arc<Hub>,
-    sender: mpsc::Sender<Event>,
+    subscription: Subscription,
     /// The last seq delivered.
     last: i64,
     until: Until,
-}
-
-/// Why following stopped.
-enum Stop {
-    Finished,
-    ViewerGone,
+    stage: Stage,
+    /// Events read (a page from the store, the backlog, a live one) and not
+    /// yet delivered.
+    ready: VecDeque<Event>,
+    /// The viewer's last event was delivered (or the stream cannot go on).
+    finished: bool,
 }
 
 impl Follower {
-    async fn run(&mut self, mut subscription: Subscription) {
+    /// The viewer's next event; `None` once the stream has ended.
+    async fn next(&mut self) -> Option<Event> {
         loop {
-            if self.catch_up(&subscription).await.is_err() {
-                return;
+            if self.finished {
+                return None;
             }
-            match self.live(&mut subscription.receiver).await {
-                // Fell behind the live channel: catch up again from here.
-                None => subscription = self.hub.subscribe(self.last),
-                Some(_) => return,
-            }
-        }
-    }
-
-    /// Delivers the store's events before the hub's memory, then the backlog.
-    async fn catch_up(&mut self, subscription: &Subscription) -> Result<(), Stop> {
-        while self.last + 1 < subscription.memory_from {
-            let page = match self.store.events_after(&self.hub.conversation_id, self.last, STORE_PAGE).await {
-                Ok(page) => page,
-                Err(error) => {
-                    tracing::error!(%error, "reading events to replay failed");
-                    return Err(Stop::ViewerGone);
+            if let Some(event) = self.ready.pop_front() {
+                match self.accept(event) {
+                    Some(event) => return Some(event),
+                    None => continue,
                 }
-            };
-            let before = self.last;
-            for event in page.into_iter().filter(|event| event.seq < subscription.memory_from) {
-                self.deliver(event).await?;
             }
-            if self.last == before {
-                // Nothing more stored below the memory window.
-                break;
-            }
-        }
-        for event in &subscription.backlog {
-            self.deliver(event.clone()).await?;
-        }
-        Ok(())
-    }
-
-    /// Forwards live events; `None` when the viewer lagged behind.
-    async fn live(&mut self, receiver: &mut broadcast::Receiver<Event>) -> Option<Stop> {
-        loop {
-            // A viewer that went away (a JSON turn's caller drops the stream
-            // at once) stops counting as one now, not at the next event: an
-            // unwatched conversation's events may wait to be stored together.
-            let received = tokio::select! {
-                received = receiver.recv() => received,
-                () = self.sender.closed() => return Some(Stop::ViewerGone),
-            };
-            match received {
-                Ok(event) => {
-                    if let Err(stop) = self.deliver(event).await {
-                        return Some(stop);
+            match self.stage {
+                Stage::Stored => self.read_stored().await,
+                Stage::Backlog => {
+                    self.ready = std::mem::take(&mut self.subscription.backlog).into();
+                    self.stage = Stage::Live;
+                }
+                Stage::Live => match self.subscription.receiver.recv().await {
+                    Ok(event) => self.ready.push_back(event),
+                    // Fell behind the live channel: catch up again from here.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        self.subscription = self.hub.subscribe(self.last);
+                        self.stage = Stage::Stored;
                     }
-                }
-                Err(broadcast::error::RecvError::Lagged(_)) => return None,
-                Err(broadcast::error::RecvError::Closed) => return Some(Stop::Finished),
+                    Err(broadcast::error::RecvError::Closed) => self.finished = true,
+                },
             }
         }
     }
 
-    async fn deliver(&mut self, event: Event) -> Result<(), Stop> {
+    /// Reads the next page of stored events below the memory window, or
+    /// moves on to the backlog when there is none.
+    async fn read_stored(&mut self) {
+        let memory_from = self.subscription.memory_from;
+        if self.last + 1 >= memory_from {
+            self.stage = Stage::Backlog;
+            return;
+        }
+        match self.store.events_after(&self.hub.conversation_id, self.last, STORE_PAGE).await {
+            Ok(page) => {
+                self.ready = page.into_iter().filter(|event| event.seq < memory_from).collect();
+                if self.ready.is_empty() {
+                    // Nothing more stored below the memory window.
+                    self.stage = Stage::Backlog;
+                }
+            }
+            Err(error) => {
+                tracing::error!(%error, "reading events to replay failed");
+                self.finished = true;
+            }
+        }
+    }
+
+    /// The event if the viewer gets it: each seq once, in order, and on a
+    /// turn's own stream only that turn's events (and turn-less ones such
+    /// as head moves), never another turn's: a queued turn's viewer must
+    /// not mistake the running turn's deltas for its own answer.
+    fn accept(&mut self, event: Event) -> Option<Event> {
         if event.seq <= self.last {
-            return Ok(());
+            return None;
         }
         self.last = event.seq;
-        // A turn's own stream carries that turn's events (and turn-less ones
-        // such as head moves), never another turn's: a queued turn's viewer
-        // must not mistake the running turn's deltas for its own answer.
-        if let Until::TurnEnds(turn_id) = &self.until
-            && event.turn_id.as_deref().is_some_and(|owner| owner != &**turn_id)
-        {
-            return Ok(());
+        if let Until::TurnEnds(turn_id) = &self.until {
+            if event.turn_id.as_deref().is_some_and(|owner| owner != &**turn_id) {
+                return None;
+            }
+            self.finished = event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id);
         }
-        let ends = match &self.until {
-            Until::TurnEnds(turn_id) => event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id),
-            Until::Forever => false,
-        };
-        if self.sender.send(event).await.is_err() {
-            return Err(Stop::ViewerGone);
-        }
-        if ends { Err(Stop::Finished) } else { Ok(()) }
+        Some(event)
     }
 }
