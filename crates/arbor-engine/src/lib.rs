@@ -950,7 +950,12 @@ mod tests {
 
     /// An engine on an in-memory database whose `demo` model is `provider`.
     async fn engine_with(provider: Arc<dyn arbor_providers::Provider>, config: EngineConfig) -> Engine {
-        let store = arbor_store::sqlite::SqliteStore::open("sqlite::memory:").await.expect("opens");
+        engine_on("sqlite::memory:", provider, config).await
+    }
+
+    /// An engine on the SQLite database at `url` whose `demo` model is `provider`.
+    async fn engine_on(url: &str, provider: Arc<dyn arbor_providers::Provider>, config: EngineConfig) -> Engine {
+        let store = arbor_store::sqlite::SqliteStore::open(url).await.expect("opens");
         let providers = HashMap::from([("demo".to_string(), provider)]);
         let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
             .expect("the demo model");
@@ -1009,26 +1014,6 @@ mod tests {
         assert!(events[0].seq > first.last().expect("first turn's events").seq, "nothing of the first turn");
     }
 
-    /// The demo model, noting when it is called.
-    struct NotedDemo {
-        called: Arc<std::sync::atomic::AtomicBool>,
-    }
-
-    #[async_trait::async_trait]
-    impl arbor_providers::Provider for NotedDemo {
-        fn kind(&self) -> &'static str {
-            "demo"
-        }
-
-        async fn stream(
-            &self,
-            request: arbor_providers::ChatRequest,
-        ) -> Result<arbor_providers::ChunkStream, arbor_core::ProviderError> {
-            self.called.store(true, Ordering::SeqCst);
-            arbor_providers::demo::DemoProvider::default().stream(request).await
-        }
-    }
-
     /// A viewer that falls behind the live channel (it holds a few dozen
     /// events) catches up from the store and the hub's memory: it still
     /// gets every event once and in order, then the live ones.
@@ -1062,10 +1047,17 @@ mod tests {
     }
 
     /// The demo model, keeping each request's system prompt and how many
-    /// messages of context it carried.
+    /// messages of context it carried (so also when and how often it was
+    /// called).
     #[derive(Default)]
     struct RecordingDemo {
         requests: Mutex<Vec<(Option<String>, usize)>>,
+    }
+
+    impl RecordingDemo {
+        fn calls(&self) -> usize {
+            lock(&self.requests).len()
+        }
     }
 
     #[async_trait::async_trait]
@@ -1185,15 +1177,9 @@ mod tests {
 
         let folder = tempfile::tempdir().expect("folder");
         let url = format!("sqlite://{}", folder.path().join("shared.db").display());
-        let store = arbor_store::sqlite::SqliteStore::open(&url).await.expect("opens");
-        assert!(!store.sole_writer(), "the default locking lets other processes write");
-        let providers = HashMap::from([(
-            "demo".to_string(),
-            Arc::new(arbor_providers::demo::DemoProvider::default()) as Arc<dyn arbor_providers::Provider>,
-        )]);
-        let models = Models::new(arbor_providers::registry::Registry::shipped(), providers, "demo".into())
-            .expect("the demo model");
-        let engine = Engine::start(Arc::new(store), models, EngineConfig::default()).await.expect("starts");
+        let engine =
+            engine_on(&url, Arc::new(arbor_providers::demo::DemoProvider::default()), EngineConfig::default()).await;
+        assert!(!engine.store().sole_writer(), "the default locking lets other processes write");
         let (user, _) = engine.create_user("ann", false).await.expect("user");
         let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
         for text in ["one", "two", "three"] {
@@ -1208,19 +1194,18 @@ mod tests {
     /// stream still carries the turn's events from `turn.started` on.
     #[tokio::test]
     async fn a_streamed_turn_calls_its_model_before_its_stream_starts() {
-        let called = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let engine = engine_with(Arc::new(NotedDemo { called: called.clone() }), EngineConfig::default()).await;
+        let provider = Arc::new(RecordingDemo::default());
+        let engine = engine_with(provider.clone(), EngineConfig::default()).await;
         let (user, _) = engine.create_user("ann", false).await.expect("user");
         let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
         // The conversation's tree is in memory after a first turn, as it
         // is for any conversation someone is talking in.
         start_turn(&engine, &user, &conversation.id, "one").await.outcome().await.expect("first turn");
-        called.store(false, Ordering::SeqCst);
 
         let handle = start_turn(&engine, &user, &conversation.id, "two").await;
-        assert!(!called.load(Ordering::SeqCst), "the call is the turn task's, after the submit");
+        assert_eq!(provider.calls(), 1, "the call is the turn task's, after the submit");
         let events = handle.events().await;
-        assert!(called.load(Ordering::SeqCst), "the model was called before the stream started");
+        assert_eq!(provider.calls(), 2, "the model was called before the stream started");
         let events: Vec<Event> = tokio::time::timeout(Duration::from_secs(10), events.collect()).await.expect("ends");
         let names: Vec<EventName> = events.iter().map(|event| event.name).collect();
         assert_eq!(names.first(), Some(&EventName::TurnStarted), "{names:?}");
