@@ -294,7 +294,7 @@ impl Hub {
     /// and each one either updates the kept row (a head this node moved,
     /// [`Hub::advance_tree`]) or drops it ([`Hub::forget_conversation`]).
     pub(crate) fn known_conversation(&self) -> (Option<Conversation>, u64) {
-        let known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let known = crate::lock(&self.known);
         (known.row.clone(), known.changes)
     }
 
@@ -302,7 +302,7 @@ impl Hub {
     /// returned `changes`, unless the row changed here since (the read may
     /// have seen the state before that change).
     pub(crate) fn remember_conversation(&self, row: Conversation, changes: u64) {
-        let mut known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut known = crate::lock(&self.known);
         if known.changes == changes {
             known.row = Some(row);
         }
@@ -311,7 +311,7 @@ impl Hub {
     /// Drops the kept row: something changed it that the hub cannot follow
     /// (its settings, its deletion, a recovery's messages).
     pub(crate) fn forget_conversation(&self) {
-        let mut known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut known = crate::lock(&self.known);
         known.row = None;
         known.changes += 1;
     }
@@ -320,7 +320,7 @@ impl Hub {
     /// any other step (a head moved to an older message, a jump another
     /// writer made) drops it.
     fn advance_known(&self, from_version: i64, to_version: i64, last: Option<&Node>) {
-        let mut known = self.known.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut known = crate::lock(&self.known);
         known.changes += 1;
         match (known.row.as_mut(), last) {
             (Some(row), Some(last)) if row.head_version == from_version && to_version == from_version + 1 => {
