@@ -1129,13 +1129,12 @@ mod tests {
         assert!(engine.inner.keeps_rows, "an in-memory database has one writer");
         let (user, _) = engine.create_user("ann", false).await.expect("user");
         let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
-        let stored = || async { engine.store().conversation(&user.id, &conversation.id).await.expect("read") };
         for text in ["one", "two", "three", "four"] {
             start_turn(&engine, &user, &conversation.id, text).await.outcome().await.expect("turn");
         }
         let hub = engine.hub_if_loaded(&conversation.id).expect("loaded");
         let kept = hub.known_conversation().0.expect("kept after a turn read it");
-        let row = stored().await.expect("exists");
+        let row = engine.store().conversation(&user.id, &conversation.id).await.expect("read").expect("exists");
         assert_eq!((&kept.head_id, kept.head_version), (&row.head_id, row.head_version), "follows the head");
         // Turns 3 and 4 took the kept row; each sent the whole path.
         let contexts: Vec<usize> = lock(&provider.requests).iter().map(|(_, messages)| *messages).collect();
