@@ -65,8 +65,6 @@ arbor_toml0() { # [DATABASE_URL]
   {
     printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "%s"\n' "${1:-$(sqlite_url "$WORK/arbor.db")}"
     mock_model_toml mock-0 mock0 9100
-    # More config for an experiment, e.g. $'[limits]\nshed_after_ms = 10\n'.
-    printf '%s' "${ARBOR_TOML_EXTRA:-}"
   } >"$WORK/arbor.toml"
 }
 

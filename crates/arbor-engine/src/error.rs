@@ -27,9 +27,6 @@ pub enum EngineError {
     QuotaExceeded,
     #[error("the server is shutting down; retry in a moment")]
     ShuttingDown,
-    /// New turns are refused while the store cannot keep up (load shedding).
-    #[error("the server is overloaded and refuses new turns for now; retry after {} s", retry_after.as_secs().max(1))]
-    Overloaded { retry_after: std::time::Duration },
     #[error("storage failed: {0}")]
     Store(#[from] StoreError),
     #[error("internal error: {0}")]

@@ -5,7 +5,6 @@
 //! what every model call cost. It knows nothing of HTTP.
 #![forbid(unsafe_code)]
 
-mod admission;
 mod cluster;
 pub mod error;
 mod hub;
@@ -31,7 +30,6 @@ use arbor_store::{
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use admission::{ADMITTING_SLOW, MAX_ADMITTING_TURNS};
 pub use error::{EngineError, EngineResult};
 pub use models::{Models, ResolvedModel};
 pub use stream::{EventStream, Until};
@@ -50,11 +48,6 @@ pub struct Limits {
     pub turn_timeout: Duration,
     /// Longest message text accepted, in bytes.
     pub max_message_bytes: usize,
-    /// Turns being admitted at once (conversation read, user message made
-    /// durable) past which new ones are refused while admissions take
-    /// longer than `admitting_slow` (load shedding); 0: never refuse.
-    pub max_admitting_turns: usize,
-    pub admitting_slow: Duration,
 }
 
 impl Default for Limits {
@@ -65,8 +58,6 @@ impl Default for Limits {
             tool_timeout: Duration::from_secs(30),
             turn_timeout: Duration::from_secs(120),
             max_message_bytes: 256 * 1024,
-            max_admitting_turns: MAX_ADMITTING_TURNS,
-            admitting_slow: ADMITTING_SLOW,
         }
     }
 }
@@ -196,20 +187,9 @@ pub(crate) struct Inner {
     /// conversation's row is made here, so a busy conversation's row is
     /// kept in its hub instead of read for each turn.
     keeps_rows: bool,
-    /// Whether new turns are admitted (load shedding).
-    admission: admission::Admission,
 }
 
 impl Inner {
-    /// Counts a new turn in while it is admitted, or refuses it when too
-    /// many are (see `admission`), counting the refusal.
-    fn admit(&self) -> EngineResult<admission::Admitting<'_>> {
-        self.admission.admit().ok_or_else(|| {
-            self.metrics.turns_shed.fetch_add(1, Ordering::Relaxed);
-            EngineError::Overloaded { retry_after: admission::RETRY_AFTER }
-        })
-    }
-
     fn numbering(&self) -> hub::Numbering {
         if self.config.shared { hub::Numbering::Database } else { hub::Numbering::Local }
     }
@@ -339,7 +319,6 @@ impl Engine {
         let engine = Engine {
             inner: Arc::new(Inner {
                 keeps_rows,
-                admission: admission::Admission::new(config.limits.max_admitting_turns, config.limits.admitting_slow),
                 store,
                 models,
                 config,
@@ -1178,42 +1157,6 @@ mod tests {
         engine.delete_conversation(&user, &conversation.id).await.expect("deletes");
         let gone = engine.submit(&user, &conversation.id, Submit::message("seven")).await;
         assert!(matches!(gone, Err(EngineError::NotFound("conversation"))), "{:?}", gone.err());
-    }
-
-    /// Past the bound of turns being admitted at once, while admissions are
-    /// slow, a submit or a regenerate is refused before it writes anything,
-    /// and counted; once an admission ends there is room again.
-    #[tokio::test]
-    async fn turns_past_the_admission_bound_are_refused_while_admissions_are_slow() {
-        let limits = Limits { max_admitting_turns: 1, admitting_slow: Duration::ZERO, ..Limits::default() };
-        let engine = demo_engine(EngineConfig { limits, ..EngineConfig::default() }).await;
-        let (user, _) = engine.create_user("ann", false).await.expect("user");
-        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
-        start_turn(&engine, &user, &conversation.id, "first").await.outcome().await.expect("turn");
-        let stored = engine.store().messages(&conversation.id).await.expect("messages").len();
-
-        let held = engine.inner.admission.admit().expect("the bound is free");
-        let refused = engine.submit(&user, &conversation.id, Submit::message("refused")).await;
-        assert!(matches!(refused, Err(EngineError::Overloaded { .. })), "{:?}", refused.err());
-        let again = engine.regenerate(&user, &conversation.id, None, None, QueueMode::Refuse).await;
-        assert!(matches!(again, Err(EngineError::Overloaded { .. })), "{:?}", again.err());
-        assert_eq!(engine.store().messages(&conversation.id).await.expect("messages").len(), stored, "nothing written");
-        assert_eq!(engine.inner.metrics.turns_shed.load(Ordering::Relaxed), 2);
-
-        drop(held);
-        start_turn(&engine, &user, &conversation.id, "admitted").await.outcome().await.expect("turn");
-    }
-
-    /// While admissions are quick, the bound lets a burst through.
-    #[tokio::test]
-    async fn a_full_bound_refuses_nothing_while_admissions_are_quick() {
-        let limits = Limits { max_admitting_turns: 1, admitting_slow: Duration::from_secs(3600), ..Limits::default() };
-        let engine = demo_engine(EngineConfig { limits, ..EngineConfig::default() }).await;
-        let (user, _) = engine.create_user("ann", false).await.expect("user");
-        let conversation = engine.create_conversation(&user, NewConversation::default()).await.expect("conversation");
-        start_turn(&engine, &user, &conversation.id, "first").await.outcome().await.expect("turn");
-        let _held = engine.inner.admission.admit().expect("the bound is free");
-        start_turn(&engine, &user, &conversation.id, "second").await.outcome().await.expect("turn");
     }
 
     /// A row is kept only for an unlimited user on a database no other

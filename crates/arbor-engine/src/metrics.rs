@@ -69,8 +69,6 @@ pub struct Metrics {
     pub turn_duration: Histogram,
     pub turns_succeeded: AtomicU64,
     pub turns_failed: AtomicU64,
-    /// Turns refused while the store could not keep up (load shedding).
-    pub turns_shed: AtomicU64,
 }
 
 impl Metrics {
@@ -93,9 +91,6 @@ impl Metrics {
         let _ =
             writeln!(out, "arbor_turns_total{{status=\"succeeded\"}} {}", self.turns_succeeded.load(Ordering::Relaxed));
         let _ = writeln!(out, "arbor_turns_total{{status=\"other\"}} {}", self.turns_failed.load(Ordering::Relaxed));
-        let _ = writeln!(out, "# HELP arbor_turns_shed_total Turns refused because the store could not keep up.");
-        let _ = writeln!(out, "# TYPE arbor_turns_shed_total counter");
-        let _ = writeln!(out, "arbor_turns_shed_total {}", self.turns_shed.load(Ordering::Relaxed));
         for (name, help, value) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}");
             let _ = writeln!(out, "# TYPE {name} gauge");

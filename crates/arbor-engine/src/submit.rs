@@ -107,7 +107,6 @@ impl Engine {
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
-        let _admitting = self.inner.admit()?;
         let (conversation, available) = self.conversation_for_turn(user, conversation_id).await?;
         let model = self.inner.models.resolve(submit.model.as_deref().unwrap_or(&conversation.model))?;
         if let Some(expected) = submit.if_head_version
@@ -174,7 +173,6 @@ impl Engine {
         if self.inner.closing.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
-        let _admitting = self.inner.admit()?;
         let (conversation, available) = self.conversation_for_turn(user, conversation_id).await?;
         let model = self.inner.models.resolve(model.unwrap_or(&conversation.model))?;
         let target_id = message_id

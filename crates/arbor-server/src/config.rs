@@ -83,8 +83,6 @@ struct RawLimits {
     tool_timeout_secs: Option<u64>,
     turn_timeout_secs: Option<u64>,
     max_message_bytes: Option<usize>,
-    max_admitting_turns: Option<usize>,
-    admitting_slow_ms: Option<u64>,
 }
 
 /// An API key read from the environment; never printed.
@@ -256,8 +254,6 @@ impl Config {
             tool_timeout: raw.limits.tool_timeout_secs.map(Duration::from_secs).unwrap_or(defaults.tool_timeout),
             turn_timeout: raw.limits.turn_timeout_secs.map(Duration::from_secs).unwrap_or(defaults.turn_timeout),
             max_message_bytes: raw.limits.max_message_bytes.unwrap_or(defaults.max_message_bytes),
-            max_admitting_turns: raw.limits.max_admitting_turns.unwrap_or(defaults.max_admitting_turns),
-            admitting_slow: raw.limits.admitting_slow_ms.map(Duration::from_millis).unwrap_or(defaults.admitting_slow),
         };
         if limits.turn_timeout.is_zero() {
             return Err(ConfigError::Invalid("limits.turn_timeout_secs must be at least 1".into()));

@@ -64,10 +64,6 @@ impl From<EngineError> for ApiError {
             }
             EngineError::QuotaExceeded => ApiError::new(StatusCode::PAYMENT_REQUIRED, "quota_exceeded", message),
             EngineError::ShuttingDown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message),
-            EngineError::Overloaded { retry_after } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message)
-                    .with("retry_after", retry_after.as_secs().max(1))
-            }
             EngineError::Store(_) | EngineError::Internal(_) => {
                 tracing::error!(error = %message, "request failed on a server fault");
                 ApiError::new(
@@ -110,32 +106,9 @@ impl IntoResponse for ApiError {
         let mut error = Map::new();
         error.insert("code".into(), json!(self.code));
         error.insert("message".into(), json!(self.message));
-        // A client told when to retry is told in the standard header too.
-        let retry_after = self.extra.get("retry_after").and_then(Value::as_u64);
         error.extend(self.extra);
-        let mut response = (self.status, Json(json!({ "error": error }))).into_response();
-        if let Some(seconds) = retry_after {
-            response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
-        }
-        response
+        (self.status, Json(json!({ "error": error }))).into_response()
     }
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn an_overloaded_engine_answers_503_with_when_to_retry() {
-        let error = EngineError::Overloaded { retry_after: std::time::Duration::from_secs(1) };
-        let response = ApiError::from(error).into_response();
-        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "1");
-        let body = axum::body::to_bytes(response.into_body(), 4096).await.expect("body");
-        let body: Value = serde_json::from_slice(&body).expect("json");
-        assert_eq!(body["error"]["code"], "overloaded");
-        assert_eq!(body["error"]["retry_after"], 1);
-    }
-}
