@@ -480,21 +480,22 @@ impl Engine {
         user: &User,
         conversation_id: &str,
     ) -> EngineResult<(Conversation, Option<i64>)> {
-        let hub = self.hub_if_loaded(conversation_id).filter(|_| self.inner.keeps_rows);
-        let changes = match &hub {
-            Some(hub) => match hub.known_conversation() {
+        // The hub that may keep the row read below, with its count of
+        // changes at the read's start.
+        let mut keeper = None;
+        if let Some(hub) = self.hub_if_loaded(conversation_id).filter(|_| self.inner.keeps_rows) {
+            match hub.known_conversation() {
                 (Some(row), _) if row.owner_id == user.id => return Ok((row, None)),
-                (_, changes) => Some(changes),
-            },
-            None => None,
-        };
+                (_, changes) => keeper = Some((hub, changes)),
+            }
+        }
         let (row, available) = self
             .inner
             .store
             .conversation_for_turn(&user.id, conversation_id)
             .await?
             .ok_or(EngineError::NotFound("conversation"))?;
-        if let (Some(hub), Some(changes), None) = (&hub, changes, available) {
+        if let (Some((hub, changes)), None) = (keeper, available) {
             hub.remember_conversation(row.clone(), changes);
         }
         Ok((row, available))
@@ -574,7 +575,7 @@ impl Engine {
     /// Drops the row a loaded conversation keeps (see
     /// [`Engine::conversation_for_turn`]) after a change the hub cannot
     /// follow.
-    pub(crate) fn forget_conversation(&self, conversation_id: &str) {
+    fn forget_conversation(&self, conversation_id: &str) {
         if let Some(hub) = self.hub_if_loaded(conversation_id) {
             hub.forget_conversation();
         }

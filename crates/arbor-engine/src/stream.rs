@@ -87,16 +87,8 @@ pub(crate) fn follow(
     after: i64,
     until: Until,
 ) -> EventStream {
-    let follower = Follower {
-        store,
-        hub,
-        subscription,
-        last: after,
-        until,
-        stage: Stage::Stored,
-        ready: VecDeque::new(),
-        finished: false,
-    };
+    let follower =
+        Follower { store, hub, subscription, last: after, until, stage: Stage::Stored, ready: VecDeque::new() };
     let events = futures_util::stream::unfold(follower, |mut follower| async move {
         let event = follower.next().await?;
         Some((event, follower))
@@ -112,6 +104,8 @@ enum Stage {
     Backlog,
     /// The live channel.
     Live,
+    /// The viewer's last event was delivered (or the stream cannot go on).
+    Ended,
 }
 
 struct Follower {
@@ -125,24 +119,20 @@ struct Follower {
     /// Events read (a page from the store, the backlog, a live one) and not
     /// yet delivered.
     ready: VecDeque<Event>,
-    /// The viewer's last event was delivered (or the stream cannot go on).
-    finished: bool,
 }
 
 impl Follower {
     /// The viewer's next event; `None` once the stream has ended.
     async fn next(&mut self) -> Option<Event> {
         loop {
-            if self.finished {
-                return None;
-            }
-            if let Some(event) = self.ready.pop_front() {
-                match self.accept(event) {
-                    Some(event) => return Some(event),
-                    None => continue,
-                }
-            }
             match self.stage {
+                Stage::Ended => return None,
+                _ if !self.ready.is_empty() => {
+                    let event = self.ready.pop_front().and_then(|event| self.accept(event));
+                    if event.is_some() {
+                        return event;
+                    }
+                }
                 Stage::Stored => self.read_stored().await,
                 Stage::Backlog => {
                     self.ready = std::mem::take(&mut self.subscription.backlog).into();
@@ -155,7 +145,7 @@ impl Follower {
                         self.subscription = self.hub.subscribe(self.last);
                         self.stage = Stage::Stored;
                     }
-                    Err(broadcast::error::RecvError::Closed) => self.finished = true,
+                    Err(broadcast::error::RecvError::Closed) => self.stage = Stage::Ended,
                 },
             }
         }
@@ -179,7 +169,7 @@ impl Follower {
             }
             Err(error) => {
                 tracing::error!(%error, "reading events to replay failed");
-                self.finished = true;
+                self.stage = Stage::Ended;
             }
         }
     }
@@ -197,7 +187,9 @@ impl Follower {
             if event.turn_id.as_deref().is_some_and(|owner| owner != &**turn_id) {
                 return None;
             }
-            self.finished = event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id);
+            if event.name.ends_turn() && event.turn_id.as_deref() == Some(&**turn_id) {
+                self.stage = Stage::Ended;
+            }
         }
         Some(event)
     }
