@@ -20,11 +20,12 @@ use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
 use bytes::Bytes;
 use futures_util::Stream;
+use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::decode::{self, Decode, Decoded};
-use crate::http::{ErrorResponse, HttpTimeouts};
+use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpResponse, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
 
@@ -77,38 +78,43 @@ impl std::fmt::Debug for AnthropicConfig {
 /// The Anthropic adapter. Cheap to share: the HTTP client pools connections.
 #[derive(Debug, Clone)]
 pub struct AnthropicProvider {
-    config: AnthropicConfig,
-    client: reqwest::Client,
+    client: HttpClient,
     /// `{base_url}/v1/messages`, parsed once rather than on every request.
-    url: reqwest::Url,
+    uri: hyper::Uri,
+    /// The headers every request carries: the API version and the key.
+    headers: HeaderMap,
 }
 
 impl AnthropicProvider {
     pub fn new(config: AnthropicConfig) -> Result<AnthropicProvider, ProviderError> {
-        let client = crate::http::build_client(&config.timeouts)?;
+        let client = HttpClient::new(&config.timeouts)?;
         let base_url = config.base_url.trim().trim_end_matches('/');
-        let url = reqwest::Url::parse(&format!("{base_url}/v1/messages")).map_err(|error| {
+        let uri = http::endpoint(&format!("{base_url}/v1/messages")).map_err(|error| {
             ProviderError::new(
                 ErrorCode::InvalidRequest,
                 format!("anthropic base_url {base_url:?} is not a valid URL: {error}"),
             )
         })?;
-        Ok(AnthropicProvider { config, client, url })
+        let mut headers = HeaderMap::new();
+        let version = HeaderValue::from_str(&config.version).map_err(|_| {
+            ProviderError::new(
+                ErrorCode::InvalidRequest,
+                format!("anthropic version {:?} is not valid in an HTTP header", config.version),
+            )
+        })?;
+        headers.insert(HeaderName::from_static("anthropic-version"), version);
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(key) = &config.api_key {
+            headers.insert(HeaderName::from_static("x-api-key"), http::secret_header(key)?);
+        }
+        Ok(AnthropicProvider { client, uri, headers })
     }
 
     /// Sends the request and returns the response if its status is a
     /// success; any other status becomes the mapped error.
-    async fn send(&self, body: Vec<u8>) -> Result<reqwest::Response, ProviderError> {
-        let mut request = self
-            .client
-            .post(self.url.clone())
-            .header("anthropic-version", &self.config.version)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body);
-        if let Some(key) = &self.config.api_key {
-            request = request.header("x-api-key", key);
-        }
-        crate::http::send(request, error_from_response).await
+    async fn send(&self, body: Vec<u8>) -> Result<HttpResponse, ProviderError> {
+        let request = HttpRequest { uri: self.uri.clone(), headers: self.headers.clone(), body: body.into() };
+        http::send(&self.client, request, error_from_response).await
     }
 }
 
@@ -121,13 +127,13 @@ impl Provider for AnthropicProvider {
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
         let body = encode(&build_request(&request, true)?)?;
         let response = self.send(body).await?;
-        Ok(decode_body(response.bytes_stream()))
+        Ok(decode_body(response.into_stream()))
     }
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
         let body = encode(&build_request(&request, false)?)?;
         let response = self.send(body).await?;
-        let bytes = response.bytes().await.map_err(|error| crate::http::body_error(&error))?;
+        let bytes = response.bytes().await?;
         let mut collected = Collected::default();
         for chunk in response_chunks(&bytes)? {
             collected.push(&chunk);
@@ -837,7 +843,7 @@ mod tests {
         assert_eq!(error.code, ErrorCode::InvalidRequest);
         assert!(error.message.contains("not a url"), "{}", error.message);
         let provider = made("http://127.0.0.1:9/ ").expect("a URL");
-        assert_eq!(provider.url.as_str(), "http://127.0.0.1:9/v1/messages");
+        assert_eq!(provider.uri.to_string(), "http://127.0.0.1:9/v1/messages");
     }
 
     #[test]

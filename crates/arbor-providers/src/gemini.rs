@@ -23,11 +23,12 @@ use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::decode::{self, Decode, Decoded};
-use crate::http::{ErrorResponse, HttpTimeouts};
+use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpResponse, HttpTimeouts};
 use crate::sse::{BodyError, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
 
@@ -69,13 +70,20 @@ impl std::fmt::Debug for GeminiConfig {
 #[derive(Debug, Clone)]
 pub struct GeminiProvider {
     config: GeminiConfig,
-    client: reqwest::Client,
+    client: HttpClient,
+    /// The headers every request carries: the content type and the key.
+    headers: HeaderMap,
 }
 
 impl GeminiProvider {
     pub fn new(config: GeminiConfig) -> Result<GeminiProvider, ProviderError> {
-        let client = crate::http::build_client(&config.timeouts)?;
-        Ok(GeminiProvider { config, client })
+        let client = HttpClient::new(&config.timeouts)?;
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(key) = &config.api_key {
+            headers.insert(HeaderName::from_static("x-goog-api-key"), http::secret_header(key)?);
+        }
+        Ok(GeminiProvider { config, client, headers })
     }
 
     fn url(&self, model: &str, method: &str) -> String {
@@ -84,12 +92,13 @@ impl GeminiProvider {
         format!("{}/models/{model}:{method}", self.config.base_url.trim_end_matches('/'))
     }
 
-    async fn send(&self, url: String, body: Vec<u8>) -> Result<reqwest::Response, ProviderError> {
-        let mut request = self.client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
-        if let Some(key) = &self.config.api_key {
-            request = request.header("x-goog-api-key", key);
-        }
-        crate::http::send(request, error_from_response).await
+    async fn send(&self, url: String, body: Vec<u8>) -> Result<HttpResponse, ProviderError> {
+        // The model is part of the path, so the URL is made per request.
+        let uri = http::endpoint(&url).map_err(|error| {
+            ProviderError::new(ErrorCode::InvalidRequest, format!("{url:?} is not a valid URL: {error}"))
+        })?;
+        let request = HttpRequest { uri, headers: self.headers.clone(), body: body.into() };
+        http::send(&self.client, request, error_from_response).await
     }
 }
 
@@ -105,12 +114,9 @@ impl Provider for GeminiProvider {
         let response = self.send(url, body).await?;
         // Without `alt=sse` (a proxy may drop it) the same stream comes as
         // one JSON array; read whichever form arrived.
-        let is_sse = response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .and_then(|value| value.to_str().ok())
-            .is_none_or(|value| value.starts_with("text/event-stream"));
-        let body = response.bytes_stream();
+        let is_sse =
+            response.headers().get(CONTENT_TYPE).is_none() || response.content_type_starts_with("text/event-stream");
+        let body = response.into_stream();
         Ok(if is_sse { decode_body(body) } else { decode_json_array_body(body) })
     }
 
@@ -118,7 +124,7 @@ impl Provider for GeminiProvider {
         let body = encode(&build_request(&request)?)?;
         let url = self.url(&request.model, "generateContent");
         let response = self.send(url, body).await?;
-        let bytes = response.bytes().await.map_err(|error| crate::http::body_error(&error))?;
+        let bytes = response.bytes().await?;
         let mut collected = Collected::default();
         for chunk in response_chunks(&bytes)? {
             collected.push(&chunk);

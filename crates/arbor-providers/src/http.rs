@@ -1,15 +1,38 @@
-//! HTTP plumbing shared by the adapters: one way to build the client (rustls,
-//! a connect timeout and a per-read idle timeout, so a provider that hangs
-//! before its headers or stalls mid-stream ends in `timeout` rather than a
-//! turn that never finishes), `retry-after` parsing, and the generic mapping
-//! of HTTP statuses and transport failures onto [`ErrorCode`]. Each adapter
-//! refines the generic code from its provider's error body.
+//! HTTP plumbing shared by the adapters: the client (rustls, a connect
+//! timeout and a per-read idle timeout, so a provider that hangs before its
+//! headers or stalls mid-stream ends in `timeout` rather than a turn that
+//! never finishes), `retry-after` parsing, and the generic mapping of HTTP
+//! statuses and transport failures onto [`ErrorCode`]. Each adapter refines
+//! the generic code from its provider's error body.
+//!
+//! The client is hyper's pooled client over rustls, used directly: every
+//! request through reqwest also went through its redirect and retry layers
+//! (which copy the headers, print the URI and parse it back as a URL) and
+//! its proxy matcher, ~5% of a turn's instructions and ~30 µs of the first
+//! token's path at low rates (bench/analysis.md). A proxy set in the
+//! environment (`HTTPS_PROXY` and the like) is the one thing reqwest does
+//! that hyper does not, so with one set requests go through reqwest, which
+//! honours it as before.
 
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use arbor_core::{ErrorCode, ProviderError};
-use reqwest::header::HeaderMap;
+use bytes::{Bytes, BytesMut};
+use futures_util::{Stream, StreamExt};
+use http_body_util::{BodyDataStream, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, USER_AGENT};
+use hyper::{Method, Uri};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::{Deserialize, Serialize};
+use tokio::time::Sleep;
 
 /// How long to wait on a provider. There is deliberately no total deadline:
 /// a long answer that keeps streaming is healthy; silence is not.
@@ -47,18 +70,312 @@ mod secs {
     }
 }
 
-/// The `reqwest::Client` every adapter uses. Clients pool connections, so
-/// an adapter builds one and keeps it.
+const USER_AGENT_VALUE: &str = concat!("arbor/", env!("CARGO_PKG_VERSION"));
+const POOL_IDLE: Duration = Duration::from_secs(90);
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// The environment variables through which a proxy is set (reqwest reads
+/// the same, and `NO_PROXY` for the exceptions).
+const PROXY_VARIABLES: [&str; 6] = ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"];
+
+/// Whether `variable` (the environment) sets a proxy.
+fn proxy_set(variable: impl Fn(&str) -> Option<std::ffi::OsString>) -> bool {
+    PROXY_VARIABLES.iter().any(|name| variable(name).is_some_and(|value| !value.is_empty()))
+}
+
+/// The HTTP client every adapter uses. It pools connections, so an adapter
+/// builds one and keeps it; clones share the pool.
+#[derive(Clone)]
+pub struct HttpClient {
+    transport: Transport,
+    read_idle: Duration,
+}
+
+#[derive(Clone)]
+enum Transport {
+    /// hyper's client over rustls: HTTP/1.1, or h2 where TLS agrees on it.
+    Direct(Box<Client<HttpsConnector<HttpConnector>, Full<Bytes>>>),
+    /// reqwest, when the environment sets a proxy.
+    Proxied(reqwest::Client),
+}
+
+impl fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let transport = match self.transport {
+            Transport::Direct(_) => "direct",
+            Transport::Proxied(_) => "through the environment's proxy",
+        };
+        f.debug_struct("HttpClient").field("transport", &transport).field("read_idle", &self.read_idle).finish()
+    }
+}
+
+/// A reqwest client with these timeouts: what [`HttpClient`] sends through
+/// when the environment sets a proxy, and a general client for tests and
+/// tools (it follows redirects and takes any method).
 pub fn build_client(timeouts: &HttpTimeouts) -> Result<reqwest::Client, ProviderError> {
     ensure_crypto_provider();
     reqwest::Client::builder()
         .connect_timeout(timeouts.connect)
         .read_timeout(timeouts.read_idle)
-        .pool_idle_timeout(Duration::from_secs(90))
-        .tcp_keepalive(Duration::from_secs(30))
-        .user_agent(concat!("arbor/", env!("CARGO_PKG_VERSION")))
+        .pool_idle_timeout(POOL_IDLE)
+        .tcp_keepalive(TCP_KEEPALIVE)
+        .user_agent(USER_AGENT_VALUE)
         .build()
         .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not build the HTTP client: {error}")))
+}
+
+impl HttpClient {
+    /// A client with these timeouts, going through the environment's proxy
+    /// when one is set.
+    pub fn new(timeouts: &HttpTimeouts) -> Result<HttpClient, ProviderError> {
+        HttpClient::with_transport(timeouts, proxy_set(|name| std::env::var_os(name)))
+    }
+
+    fn with_transport(timeouts: &HttpTimeouts, proxied: bool) -> Result<HttpClient, ProviderError> {
+        ensure_crypto_provider();
+        let cannot = |error: &dyn fmt::Display| {
+            ProviderError::new(ErrorCode::Internal, format!("could not build the HTTP client: {error}"))
+        };
+        let transport = if proxied {
+            Transport::Proxied(build_client(timeouts)?)
+        } else {
+            let mut http = HttpConnector::new();
+            http.enforce_http(false);
+            http.set_nodelay(true);
+            http.set_connect_timeout(Some(timeouts.connect));
+            http.set_keepalive(Some(TCP_KEEPALIVE));
+            // Certificates are checked as reqwest checks them: the system's
+            // roots, through rustls' platform verifier.
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .map_err(|error| cannot(&error))?
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(
+                    rustls_platform_verifier::Verifier::new(provider).map_err(|error| cannot(&error))?,
+                ))
+                .with_no_client_auth();
+            let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(tls)
+                .https_or_http()
+                .enable_http1()
+                .enable_http2()
+                .wrap_connector(http);
+            let client = Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(POOL_IDLE)
+                .pool_timer(TokioTimer::new())
+                .timer(TokioTimer::new())
+                .build(connector);
+            Transport::Direct(Box::new(client))
+        };
+        Ok(HttpClient { transport, read_idle: timeouts.read_idle })
+    }
+
+    /// Sends `request` and returns the response, whatever its status, once
+    /// its headers are in; its body is read as it comes. Silence longer than
+    /// the read idle timeout, waiting for the headers or between two pieces
+    /// of the body, ends it in `timeout`.
+    pub async fn send(&self, request: HttpRequest) -> Result<HttpResponse, ProviderError> {
+        let HttpRequest { uri, mut headers, body } = request;
+        if !headers.contains_key(USER_AGENT) {
+            headers.insert(USER_AGENT, HeaderValue::from_static(USER_AGENT_VALUE));
+        }
+        match &self.transport {
+            Transport::Direct(client) => {
+                let mut request = hyper::Request::new(Full::new(body));
+                *request.method_mut() = Method::POST;
+                *request.uri_mut() = uri;
+                *request.headers_mut() = headers;
+                let response = tokio::time::timeout(self.read_idle, client.request(request))
+                    .await
+                    .map_err(|_| silent(self.read_idle, "before its response headers"))?
+                    .map_err(|error| transport_error(&error))?;
+                let (parts, body) = response.into_parts();
+                Ok(HttpResponse {
+                    status: parts.status.as_u16(),
+                    headers: parts.headers,
+                    body: Box::pin(IdleLimited::new(BodyDataStream::new(body), self.read_idle)),
+                })
+            }
+            Transport::Proxied(client) => {
+                let url = reqwest::Url::parse(&uri.to_string()).map_err(|error| {
+                    ProviderError::new(ErrorCode::InvalidRequest, format!("{uri} is not a valid URL: {error}"))
+                })?;
+                let mut response = client
+                    .post(url)
+                    .headers(headers)
+                    .body(body)
+                    .send()
+                    .await
+                    .map_err(|error| transport_error(&error))?;
+                let headers = std::mem::take(response.headers_mut());
+                Ok(HttpResponse {
+                    status: response.status().as_u16(),
+                    headers,
+                    body: Box::pin(response.bytes_stream().map(|piece| piece.map_err(|error| body_error(&error)))),
+                })
+            }
+        }
+    }
+}
+
+/// An endpoint's URL as the client takes it, from text checked and
+/// normalised as a URL (an international host name in its ASCII form).
+/// Adapters make theirs once: the text is not parsed again per request.
+pub fn endpoint(text: &str) -> Result<Uri, String> {
+    let url = reqwest::Url::parse(text).map_err(|error| error.to_string())?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("the scheme must be http or https, not {}", url.scheme()));
+    }
+    Uri::try_from(url.as_str()).map_err(|error| error.to_string())
+}
+
+/// A header value holding a secret (an API key): invalid text is refused,
+/// and the value is marked sensitive (left out of debug output).
+pub fn secret_header(value: &str) -> Result<HeaderValue, ProviderError> {
+    let mut header = HeaderValue::from_str(value).map_err(|_| {
+        ProviderError::new(ErrorCode::InvalidRequest, "the API key holds characters that are not valid in HTTP")
+    })?;
+    header.set_sensitive(true);
+    Ok(header)
+}
+
+/// A request for [`HttpClient::send`]: a `POST` of `body` to `uri`.
+#[derive(Debug, Clone)]
+pub struct HttpRequest {
+    pub uri: Uri,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl HttpRequest {
+    pub fn post(uri: Uri, body: impl Into<Bytes>) -> HttpRequest {
+        HttpRequest { uri, headers: HeaderMap::new(), body: body.into() }
+    }
+
+    pub fn header(mut self, name: HeaderName, value: HeaderValue) -> HttpRequest {
+        self.headers.insert(name, value);
+        self
+    }
+}
+
+/// A response body: its pieces as they arrive, or why it broke off.
+pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, ProviderError>> + Send>>;
+
+/// A response whose headers are in.
+pub struct HttpResponse {
+    status: u16,
+    headers: HeaderMap,
+    body: BodyStream,
+}
+
+impl fmt::Debug for HttpResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpResponse").field("status", &self.status).field("headers", &self.headers).finish()
+    }
+}
+
+impl HttpResponse {
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// Whether the body is JSON, by its `content-type`.
+    pub fn is_json(&self) -> bool {
+        self.content_type_starts_with("application/json")
+    }
+
+    /// Whether the `content-type` starts with `prefix`; `None` without one.
+    pub fn content_type_starts_with(&self, prefix: &str) -> bool {
+        self.headers
+            .get(hyper::header::CONTENT_TYPE)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with(prefix))
+    }
+
+    /// The next piece of the body; `None` at its end.
+    pub async fn chunk(&mut self) -> Result<Option<Bytes>, ProviderError> {
+        self.body.next().await.transpose()
+    }
+
+    /// The whole body.
+    pub async fn bytes(mut self) -> Result<Bytes, ProviderError> {
+        let Some(first) = self.chunk().await? else { return Ok(Bytes::new()) };
+        let Some(second) = self.chunk().await? else { return Ok(first) };
+        let mut whole = BytesMut::with_capacity(first.len() + second.len());
+        whole.extend_from_slice(&first);
+        whole.extend_from_slice(&second);
+        while let Some(piece) = self.chunk().await? {
+            whole.extend_from_slice(&piece);
+        }
+        Ok(whole.freeze())
+    }
+
+    /// The body as a stream of its pieces.
+    pub fn into_stream(self) -> BodyStream {
+        self.body
+    }
+}
+
+/// A body whose pieces may be at most `idle` apart: past that, it ends in a
+/// `timeout` error. A body that breaks off ends in `stream_interrupted`.
+struct IdleLimited {
+    body: BodyDataStream<Incoming>,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+    ended: bool,
+}
+
+impl IdleLimited {
+    fn new(body: BodyDataStream<Incoming>, idle: Duration) -> IdleLimited {
+        IdleLimited { body, idle, deadline: Box::pin(tokio::time::sleep(idle)), ended: false }
+    }
+}
+
+impl Stream for IdleLimited {
+    type Item = Result<Bytes, ProviderError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        match self.body.poll_next_unpin(context) {
+            Poll::Ready(Some(Ok(piece))) => {
+                let next = tokio::time::Instant::now() + self.idle;
+                self.deadline.as_mut().reset(next);
+                Poll::Ready(Some(Ok(piece)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                self.ended = true;
+                let code = if error.is_timeout() { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
+                Poll::Ready(Some(Err(ProviderError::new(
+                    code,
+                    format!("the provider's stream broke off: {}", describe(&error)),
+                ))))
+            }
+            Poll::Ready(None) => {
+                self.ended = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => match self.deadline.as_mut().poll(context) {
+                Poll::Ready(()) => {
+                    self.ended = true;
+                    let idle = self.idle;
+                    Poll::Ready(Some(Err(silent(idle, "in the middle of its answer"))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+/// The error for a provider that sent nothing for `idle`.
+fn silent(idle: Duration, when: &str) -> ProviderError {
+    ProviderError::new(ErrorCode::Timeout, format!("the provider sent nothing for {idle:?} {when}"))
 }
 
 /// reqwest is built without a default rustls crypto provider and panics
@@ -149,9 +466,9 @@ impl ErrorResponse {
 
     /// Reads the status, headers and (the start of) the body. A body that
     /// cannot be read leaves `body` empty: the status still says enough.
-    pub async fn read(mut response: reqwest::Response) -> ErrorResponse {
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
+    pub async fn read(mut response: HttpResponse) -> ErrorResponse {
+        let status = response.status;
+        let headers = std::mem::take(&mut response.headers);
         let mut bytes = Vec::new();
         while bytes.len() < Self::BODY_LIMIT {
             match response.chunk().await {
@@ -185,20 +502,69 @@ impl ErrorResponse {
 /// Sends a request; a success status passes the response on, any other
 /// becomes the adapter's error (`to_error` reads the provider's error body).
 pub async fn send(
-    request: reqwest::RequestBuilder,
+    client: &HttpClient,
+    request: HttpRequest,
     to_error: fn(&ErrorResponse) -> ProviderError,
-) -> Result<reqwest::Response, ProviderError> {
-    let response = request.send().await.map_err(|error| transport_error(&error))?;
-    if response.status().is_success() { Ok(response) } else { Err(to_error(&ErrorResponse::read(response).await)) }
+) -> Result<HttpResponse, ProviderError> {
+    let response = client.send(request).await?;
+    if (200..300).contains(&response.status) {
+        Ok(response)
+    } else {
+        Err(to_error(&ErrorResponse::read(response).await))
+    }
 }
 
-/// A failure to send the request or to receive the response headers.
-pub fn transport_error(error: &reqwest::Error) -> ProviderError {
-    let code = if error.is_timeout() {
+/// A failure of either transport to send the request or to receive the
+/// response headers.
+trait TransportError: std::error::Error {
+    fn timed_out(&self) -> bool;
+    fn broke_off(&self) -> bool;
+    fn malformed(&self) -> bool;
+}
+
+impl TransportError for reqwest::Error {
+    fn timed_out(&self) -> bool {
+        self.is_timeout()
+    }
+
+    fn broke_off(&self) -> bool {
+        self.is_body() || self.is_decode()
+    }
+
+    fn malformed(&self) -> bool {
+        self.is_builder()
+    }
+}
+
+impl TransportError for hyper_util::client::legacy::Error {
+    /// A connect timeout: the connector's own, an I/O error of kind
+    /// `TimedOut` somewhere in the chain.
+    fn timed_out(&self) -> bool {
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            if cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
+                return true;
+            }
+            source = cause.source();
+        }
+        false
+    }
+
+    fn broke_off(&self) -> bool {
+        false
+    }
+
+    fn malformed(&self) -> bool {
+        false
+    }
+}
+
+fn transport_error(error: &impl TransportError) -> ProviderError {
+    let code = if error.timed_out() {
         ErrorCode::Timeout
-    } else if error.is_body() || error.is_decode() {
+    } else if error.broke_off() {
         ErrorCode::StreamInterrupted
-    } else if error.is_builder() {
+    } else if error.malformed() {
         ErrorCode::InvalidRequest
     } else {
         // Connection refused, DNS, TLS, a reset before the headers.
@@ -215,9 +581,10 @@ pub fn body_error(error: &reqwest::Error) -> ProviderError {
     ProviderError::new(code, describe(error))
 }
 
-/// reqwest's display hides the cause ("error sending request"); the chain
-/// says what actually happened ("connection refused").
-fn describe(error: &reqwest::Error) -> String {
+/// The clients' displays hide the cause ("error sending request", "client
+/// error (Connect)"); the chain says what actually happened ("connection
+/// refused").
+fn describe(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = std::error::Error::source(error);
     while let Some(cause) = source {
@@ -231,7 +598,6 @@ fn describe(error: &reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reqwest::header::HeaderValue;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut map = HeaderMap::new();
@@ -314,14 +680,117 @@ mod tests {
         assert_eq!(timeouts.read_idle, Duration::from_millis(500));
     }
 
+    /// A server on loopback that reads one request and answers `response`
+    /// (raw HTTP/1.1), then closes; returns its URI and what it was sent.
+    async fn answering_once(response: &'static str) -> (Uri, tokio::task::JoinHandle<String>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let uri = format!("http://{}/v1/chat", listener.local_addr().expect("address")).parse().expect("uri");
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 4096];
+            // The headers, then the body of the length they give.
+            loop {
+                let read = socket.read(&mut buffer).await.expect("read");
+                request.extend_from_slice(&buffer[..read]);
+                let text = String::from_utf8_lossy(&request).to_string();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text
+                        .lines()
+                        .find_map(|line| line.to_ascii_lowercase().strip_prefix("content-length:").map(str::to_string))
+                        .and_then(|value| value.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length || read == 0 {
+                        break;
+                    }
+                }
+            }
+            socket.write_all(response.as_bytes()).await.expect("write");
+            socket.shutdown().await.ok();
+            String::from_utf8_lossy(&request).to_string()
+        });
+        (uri, server)
+    }
+
+    /// Both transports (direct, and reqwest for a proxy) send the same
+    /// request and read a response of any status whole: its status, its
+    /// headers and its body, however it was cut into chunks.
+    #[tokio::test]
+    async fn both_transports_post_and_read_a_response_whole() {
+        const ANSWER: &str = "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
+                              retry-after: 7\r\ntransfer-encoding: chunked\r\n\r\n\
+                              5\r\n{\"a\":\r\n4\r\n 12}\r\n0\r\n\r\n";
+        for proxied in [false, true] {
+            let (uri, server) = answering_once(ANSWER).await;
+            let client = HttpClient::with_transport(&HttpTimeouts::default(), proxied).expect("client");
+            let request = HttpRequest::post(uri, b"{\"q\":1}".to_vec())
+                .header(hyper::header::CONTENT_TYPE, HeaderValue::from_static("application/json"))
+                .header(HeaderName::from_static("x-api-key"), secret_header("k-1").expect("valid"));
+            let response = client.send(request).await.expect("answered");
+            assert_eq!(response.status(), 429, "proxied: {proxied}");
+            assert!(response.is_json());
+            assert_eq!(retry_after(response.headers()), Some(Duration::from_secs(7)));
+            assert_eq!(&response.bytes().await.expect("body")[..], b"{\"a\": 12}", "proxied: {proxied}");
+            let sent = server.await.expect("served").to_ascii_lowercase();
+            assert!(sent.starts_with("post /v1/chat http/1.1\r\n"), "{sent}");
+            assert!(sent.contains("x-api-key: k-1\r\n") && sent.contains("user-agent: arbor/"), "{sent}");
+            assert!(sent.ends_with("\r\n\r\n{\"q\":1}"), "{sent}");
+        }
+    }
+
+    #[test]
+    fn a_proxy_in_the_environment_is_seen_in_any_of_its_spellings() {
+        let only = |set: &'static str, value: &'static str| {
+            move |name: &str| (name == set).then(|| std::ffi::OsString::from(value))
+        };
+        for name in PROXY_VARIABLES {
+            assert!(proxy_set(only(name, "http://proxy:3128")), "{name}");
+            assert!(!proxy_set(only(name, "")), "{name} set empty");
+        }
+        assert!(!proxy_set(only("NO_PROXY", "localhost")), "NO_PROXY alone sets no proxy");
+    }
+
+    /// A response whose body stops coming ends in `timeout` after the read
+    /// idle time, not in a turn that waits forever.
+    #[tokio::test]
+    async fn a_body_that_stops_coming_times_out() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let uri: Uri = format!("http://{}/", listener.local_addr().expect("address")).parse().expect("uri");
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut buffer = [0u8; 4096];
+            let _ = socket.read(&mut buffer).await;
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            socket.write_all(head.as_bytes()).await.expect("head");
+            socket.write_all(b"6\r\ndata: \r\n").await.expect("piece");
+            // Then silence, with the connection open.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let timeouts = HttpTimeouts { connect: Duration::from_secs(2), read_idle: Duration::from_millis(200) };
+        let client = HttpClient::with_transport(&timeouts, false).expect("client");
+        let mut response = client.send(HttpRequest::post(uri, Vec::new())).await.expect("headers");
+        assert_eq!(response.chunk().await.expect("first piece").as_deref(), Some(&b"data: "[..]));
+        let started = std::time::Instant::now();
+        let error = response.chunk().await.expect_err("silence");
+        assert_eq!(error.code, ErrorCode::Timeout, "{error}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        assert_eq!(response.chunk().await.expect("ended").as_deref(), None, "nothing after the timeout");
+    }
+
     #[tokio::test]
     async fn a_refused_connection_is_provider_unavailable() {
         // Bind then drop a listener so the port is very likely closed.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let address = listener.local_addr().expect("address");
         drop(listener);
-        let client = build_client(&HttpTimeouts::default()).expect("client");
-        let error = client.get(format!("http://{address}/")).send().await.expect_err("nothing listens");
-        assert_eq!(transport_error(&error).code, ErrorCode::ProviderUnavailable);
+        let uri: Uri = format!("http://{address}/").parse().expect("uri");
+        for proxied in [false, true] {
+            let client = HttpClient::with_transport(&HttpTimeouts::default(), proxied).expect("client");
+            let error = client.send(HttpRequest::post(uri.clone(), Vec::new())).await.expect_err("nothing listens");
+            assert_eq!(error.code, ErrorCode::ProviderUnavailable, "proxied: {proxied}: {error}");
+            assert!(error.message.contains("refused"), "the cause is named: {error}");
+        }
     }
 }

@@ -17,12 +17,13 @@ use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolCall, Usage};
 use bytes::Bytes;
 use futures_util::{Stream, stream};
-use reqwest::header::{ACCEPT, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use hyper::Uri;
+use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::decode::{self, Decode, Decoded};
-use crate::http::{self, ErrorResponse, HttpTimeouts};
+use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider, ToolSpec};
 
@@ -96,9 +97,10 @@ impl fmt::Debug for OpenAiConfig {
 /// An OpenAI-compatible provider. Cheap to share: one pooled HTTP client.
 #[derive(Clone)]
 pub struct OpenAiProvider {
-    client: reqwest::Client,
-    url: reqwest::Url,
-    api_key: Option<String>,
+    client: HttpClient,
+    uri: Uri,
+    /// `Bearer <key>`, made once.
+    authorization: Option<HeaderValue>,
     headers: HeaderMap,
     max_tokens_field: MaxTokensField,
     stream_usage: bool,
@@ -112,8 +114,8 @@ pub struct OpenAiProvider {
 impl fmt::Debug for OpenAiProvider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OpenAiProvider")
-            .field("url", &self.url)
-            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("uri", &self.uri)
+            .field("api_key", &self.authorization.as_ref().map(|_| "<redacted>"))
             .finish_non_exhaustive()
     }
 }
@@ -148,18 +150,20 @@ impl OpenAiProvider {
             })?;
             headers.append(name, value);
         }
-        // Parsed once: a URL given as text is parsed again (IDNA and all)
-        // on every request.
-        let url = reqwest::Url::parse(&format!("{base_url}/chat/completions")).map_err(|error| {
+        let uri = http::endpoint(&format!("{base_url}/chat/completions")).map_err(|error| {
             ProviderError::new(
                 ErrorCode::InvalidRequest,
                 format!("openai base_url {base_url:?} is not a valid URL: {error}"),
             )
         })?;
+        let authorization = match config.api_key.filter(|key| !key.is_empty()) {
+            Some(key) => Some(http::secret_header(&format!("Bearer {key}"))?),
+            None => None,
+        };
         Ok(OpenAiProvider {
-            client: http::build_client(&config.timeouts)?,
-            url,
-            api_key: config.api_key.filter(|key| !key.is_empty()),
+            client: HttpClient::new(&config.timeouts)?,
+            uri,
+            authorization,
             headers,
             max_tokens_field: config.max_tokens_field,
             stream_usage: config.stream_usage,
@@ -193,22 +197,18 @@ impl OpenAiProvider {
         }
     }
 
-    async fn post(&self, request: &ChatRequest, stream: bool) -> Result<reqwest::Response, ProviderError> {
+    async fn post(&self, request: &ChatRequest, stream: bool) -> Result<http::HttpResponse, ProviderError> {
         let body = serde_json::to_vec(&self.wire_request(request, stream)).map_err(|error| {
             ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}"))
         })?;
         let accept = if stream { "text/event-stream" } else { "application/json" };
-        let mut builder = self
-            .client
-            .post(self.url.clone())
-            .headers(self.headers.clone())
-            .header(CONTENT_TYPE, "application/json")
-            .header(ACCEPT, accept)
-            .body(body);
-        if let Some(key) = &self.api_key {
-            builder = builder.bearer_auth(key);
+        let mut request = HttpRequest { uri: self.uri.clone(), headers: self.headers.clone(), body: body.into() }
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(ACCEPT, HeaderValue::from_static(accept));
+        if let Some(authorization) = &self.authorization {
+            request = request.header(AUTHORIZATION, authorization.clone());
         }
-        crate::http::send(builder, error_from_response).await
+        http::send(&self.client, request, error_from_response).await
     }
 }
 
@@ -220,24 +220,19 @@ impl Provider for OpenAiProvider {
 
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
         let response = self.post(&request, true).await?;
-        let is_json = response
-            .headers()
-            .get(CONTENT_TYPE)
-            .and_then(|value| value.to_str().ok())
-            .is_some_and(|value| value.starts_with("application/json"));
-        if is_json {
+        if response.is_json() {
             // A server that ignores `stream: true` answers with one
             // completion; replay it as a stream rather than fail.
-            let body = response.bytes().await.map_err(|error| http::body_error(&error))?;
+            let body = response.bytes().await?;
             let chunks = response_chunks(&body)?;
             return Ok(Box::pin(stream::iter(chunks.into_iter().map(Ok))));
         }
-        Ok(decode_stream(response.bytes_stream()))
+        Ok(decode_stream(response.into_stream()))
     }
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
         let response = self.post(&request, false).await?;
-        let body = response.bytes().await.map_err(|error| http::body_error(&error))?;
+        let body = response.bytes().await?;
         parse_response(&body)
     }
 }
@@ -1140,7 +1135,7 @@ mod tests {
             ..OpenAiConfig::default()
         })
         .expect("valid");
-        assert_eq!(provider.url.as_str(), "http://localhost:11434/v1/chat/completions");
+        assert_eq!(provider.uri.to_string(), "http://localhost:11434/v1/chat/completions");
         let shown = format!("{provider:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(

@@ -2,8 +2,8 @@
 //!
 //! A stateless pass-through built from the parts Arbor is built from —
 //! Arbor's accept loop (`arbor_server::listen`: hyper's HTTP/1.1 with
-//! `TCP_NODELAY`) serving an axum router, the reqwest client Arbor builds
-//! (`arbor_providers::http::build_client`), mimalloc, a multi-thread tokio
+//! `TCP_NODELAY`) serving an axum router, the HTTP client Arbor's providers
+//! use (`arbor_providers::http::HttpClient`), mimalloc, a multi-thread tokio
 //! runtime with one worker per core it may use — that forwards every
 //! request's body to the upstream at the same path and answers with what
 //! comes back, streamed or whole. With `--fsyncs`, it also makes the
@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use arbor_providers::http::{HttpTimeouts, build_client};
+use arbor_providers::http::{HttpClient, HttpRequest, HttpTimeouts, endpoint};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -74,7 +74,7 @@ struct Args {
 }
 
 struct Floor {
-    client: reqwest::Client,
+    client: HttpClient,
     upstream: String,
     /// Where the request is made durable before it is forwarded (--fsyncs 1 or 2).
     request_log: Option<Log>,
@@ -89,7 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (_, Some(dir)) => Some(Log::open(&dir.join("floor.ring"))?),
         (_, None) => return Err("--fsyncs needs --data-dir".into()),
     };
-    let client = build_client(&HttpTimeouts::default()).map_err(|error| error.to_string())?;
+    let client = HttpClient::new(&HttpTimeouts::default()).map_err(|error| error.to_string())?;
     let answer_log = if args.fsyncs == 2 { log.clone() } else { None };
     let upstream = args.upstream.trim_end_matches('/').to_owned();
     let floor = Arc::new(Floor { client, upstream, request_log: log, answer_log });
@@ -127,16 +127,11 @@ async fn try_forward(floor: &Floor, request: Request) -> Result<Response, String
     if let Some(log) = &floor.request_log {
         log.write(body.clone()).await?;
     }
-    let url = format!("{}{}", floor.upstream, parts.uri.path());
-    let upstream = floor
-        .client
-        .post(url)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .await
-        .map_err(|error| format!("calling the upstream: {error}"))?;
-    let status = upstream.status();
+    let uri = endpoint(&format!("{}{}", floor.upstream, parts.uri.path()))?;
+    let request =
+        HttpRequest::post(uri, body).header(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    let upstream = floor.client.send(request).await.map_err(|error| format!("calling the upstream: {error}"))?;
+    let status = StatusCode::from_u16(upstream.status()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = upstream.headers().get(header::CONTENT_TYPE).cloned();
     let streamed = content_type.as_ref().is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
     let answer_log = floor.answer_log.clone();
@@ -150,7 +145,9 @@ async fn try_forward(floor: &Floor, request: Request) -> Result<Response, String
             }
         })
         .filter_map(|written| async move { written.err().map(Err) });
-        Body::from_stream(upstream.bytes_stream().map(|chunk| chunk.map_err(io::Error::other)).chain(tail))
+        Body::from_stream(
+            upstream.into_stream().map(|chunk| chunk.map_err(|error| io::Error::other(error.to_string()))).chain(tail),
+        )
     } else {
         let bytes = upstream.bytes().await.map_err(|error| format!("reading the upstream: {error}"))?;
         if let Some(log) = answer_log {
