@@ -479,7 +479,7 @@ if any(rates(floor) for floor, *_ in floor_tables):
     w("## The floor: Arbor's HTTP stack without Arbor")
     w("")
     w("`arbor-floor` is a stateless pass-through built from Arbor's parts (Arbor's HTTP server with `TCP_NODELAY`, the "
-      "reqwest client Arbor builds, mimalloc, the same tokio runtime), pinned to Arbor's core and loaded like "
+      "HTTP client Arbor's providers use, mimalloc, the same tokio runtime), pinned to Arbor's core and loaded like "
       "Arbor at some of the same rates, in the same minutes. *2 fsyncs* adds the durable writes a stateful turn "
       "waits for: the request before it is forwarded and the answer before it is returned (streamed: after the "
       "last chunk, so TTFT waits for one), group-committed by one writer thread to a preallocated file. What the "
