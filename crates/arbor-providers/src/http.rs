@@ -113,6 +113,13 @@ impl fmt::Debug for HttpClient {
 /// when the environment sets a proxy, and a general client for tests and
 /// tools (it follows redirects and takes any method).
 pub fn build_client(timeouts: &HttpTimeouts) -> Result<reqwest::Client, ProviderError> {
+    reqwest_client(timeouts, reqwest::redirect::Policy::default())
+}
+
+fn reqwest_client(
+    timeouts: &HttpTimeouts,
+    redirects: reqwest::redirect::Policy,
+) -> Result<reqwest::Client, ProviderError> {
     ensure_crypto_provider();
     reqwest::Client::builder()
         .connect_timeout(timeouts.connect)
@@ -120,6 +127,7 @@ pub fn build_client(timeouts: &HttpTimeouts) -> Result<reqwest::Client, Provider
         .pool_idle_timeout(POOL_IDLE)
         .tcp_keepalive(TCP_KEEPALIVE)
         .user_agent(USER_AGENT_VALUE)
+        .redirect(redirects)
         .build()
         .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not build the HTTP client: {error}")))
 }
@@ -137,7 +145,8 @@ impl HttpClient {
             ProviderError::new(ErrorCode::Internal, format!("could not build the HTTP client: {error}"))
         };
         let transport = if proxied {
-            Transport::Proxied(build_client(timeouts)?)
+            // Redirects are not followed either way (see `fallback_message`).
+            Transport::Proxied(reqwest_client(timeouts, reqwest::redirect::Policy::none())?)
         } else {
             let mut http = HttpConnector::new();
             http.enforce_http(false);
@@ -490,6 +499,16 @@ impl ErrorResponse {
     /// short prefix of the body.
     pub fn fallback_message(&self) -> String {
         let body = self.body.trim();
+        // Redirects are not followed (a model call is a POST with a key in
+        // it): the answer says where the endpoint moved.
+        if (300..400).contains(&self.status)
+            && let Some(location) = self.headers.get(hyper::header::LOCATION).and_then(|value| value.to_str().ok())
+        {
+            return format!(
+                "the provider answered HTTP {} (redirected to {location}): set the provider's base_url to the address it moved to",
+                self.status
+            );
+        }
         if body.is_empty() {
             format!("the provider answered HTTP {}", self.status)
         } else {
@@ -671,6 +690,36 @@ mod tests {
         assert_eq!(error.status, Some(429));
         assert_eq!(error.retry_after, Some(Duration::from_secs(7)));
         assert_eq!(response.fallback_message(), "the provider answered HTTP 429");
+    }
+
+    /// Neither transport follows a redirect: the 3xx comes back as the
+    /// answer, to become the adapter's error.
+    #[tokio::test]
+    async fn neither_transport_follows_a_redirect() {
+        const MOVED: &str = "HTTP/1.1 308 Permanent Redirect\r\nlocation: http://127.0.0.1:9/elsewhere\r\n\
+                             content-length: 0\r\n\r\n";
+        for proxied in [false, true] {
+            let (uri, server) = answering_once(MOVED).await;
+            let client = HttpClient::with_transport(&HttpTimeouts::default(), proxied).expect("client");
+            let response = client.send(HttpRequest::post(uri, Vec::new())).await.expect("answered");
+            assert_eq!(response.status(), 308, "proxied: {proxied}");
+            server.await.expect("served");
+        }
+    }
+
+    #[test]
+    fn a_redirect_is_not_followed_and_says_where_to() {
+        let moved = ErrorResponse {
+            status: 308,
+            headers: headers(&[("location", "https://api.example.com/v1/chat/completions")]),
+            body: String::new(),
+        };
+        let message = moved.fallback_message();
+        assert!(
+            message.contains("HTTP 308") && message.contains("https://api.example.com/v1/chat/completions"),
+            "{message}"
+        );
+        assert_eq!(status_code(308), ErrorCode::InvalidRequest);
     }
 
     #[test]
