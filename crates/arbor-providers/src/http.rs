@@ -800,6 +800,33 @@ mod tests {
         assert!(!proxy_set(only("NO_PROXY", "localhost")), "NO_PROXY alone sets no proxy");
     }
 
+    /// An `https` endpoint is reached over TLS: the client's hello names
+    /// the host (SNI) and offers h2 and HTTP/1.1 (ALPN), and a server that
+    /// does not answer in TLS is `provider_unavailable`, its cause named.
+    #[tokio::test]
+    async fn https_goes_over_tls_offering_h2_and_http1() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut hello = vec![0u8; 4096];
+            let read = socket.read(&mut hello).await.expect("read");
+            hello.truncate(read);
+            socket.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n").await.ok();
+            hello
+        });
+        let uri: Uri = format!("https://localhost:{port}/v1/chat/completions").parse().expect("uri");
+        let client = HttpClient::with_transport(&HttpTimeouts::default(), false).expect("client");
+        let error = client.send(HttpRequest::post(uri, Vec::new())).await.expect_err("not TLS");
+        assert_eq!(error.code, ErrorCode::ProviderUnavailable, "{error}");
+        let hello = server.await.expect("served");
+        let contains = |needle: &[u8]| hello.windows(needle.len()).any(|window| window == needle);
+        assert_eq!(hello.first(), Some(&0x16), "a TLS handshake record");
+        assert!(contains(b"localhost"), "SNI names the host");
+        assert!(contains(b"\x02h2") && contains(b"\x08http/1.1"), "ALPN offers h2 and http/1.1");
+    }
+
     /// A response whose body stops coming ends in `timeout` after the read
     /// idle time, not in a turn that waits forever.
     #[tokio::test]
