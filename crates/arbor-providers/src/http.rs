@@ -15,6 +15,7 @@
 //! honours it as before.
 
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -94,7 +95,7 @@ pub struct HttpClient {
 #[derive(Clone)]
 enum Transport {
     /// hyper's client over rustls: HTTP/1.1, or h2 where TLS agrees on it.
-    Direct(Box<Client<HttpsConnector<HttpConnector>, Full<Bytes>>>),
+    Direct(Box<Client<Bounded<HttpsConnector<HttpConnector>>, Full<Bytes>>>),
     /// reqwest, when the environment sets a proxy.
     Proxied(reqwest::Client),
 }
@@ -151,7 +152,6 @@ impl HttpClient {
             let mut http = HttpConnector::new();
             http.enforce_http(false);
             http.set_nodelay(true);
-            http.set_connect_timeout(Some(timeouts.connect));
             http.set_keepalive(Some(TCP_KEEPALIVE));
             // Certificates are checked as reqwest checks them: the system's
             // roots, through rustls' platform verifier.
@@ -170,6 +170,7 @@ impl HttpClient {
                 .enable_http1()
                 .enable_http2()
                 .wrap_connector(http);
+            let connector = Bounded { inner: connector, limit: timeouts.connect };
             let client = Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(POOL_IDLE)
                 .pool_timer(TokioTimer::new())
@@ -247,6 +248,47 @@ pub fn secret_header(value: &str) -> Result<HeaderValue, ProviderError> {
     })?;
     header.set_sensitive(true);
     Ok(header)
+}
+
+/// A connector whose connections, TCP and the TLS handshake both, are made
+/// within `limit`, or fail as timed out (the HTTP connector's own timeout
+/// would cover TCP alone, and a server that takes the connection but never
+/// answers the handshake would hold a turn for the whole read idle time).
+#[derive(Clone)]
+struct Bounded<C> {
+    inner: C,
+    limit: Duration,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower_service::Service<Uri> for Bounded<C>
+where
+    C: tower_service::Service<Uri>,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, context: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(context).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let limit = self.limit;
+        let connecting = self.inner.call(uri);
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection within {limit:?}"),
+                )) as BoxError),
+            }
+        })
+    }
 }
 
 /// A request for [`HttpClient::send`]: a `POST` of `body` to `uri`.
@@ -825,6 +867,25 @@ mod tests {
         assert_eq!(hello.first(), Some(&0x16), "a TLS handshake record");
         assert!(contains(b"localhost"), "SNI names the host");
         assert!(contains(b"\x02h2") && contains(b"\x08http/1.1"), "ALPN offers h2 and http/1.1");
+    }
+
+    /// A server that takes the connection but never answers the TLS
+    /// handshake is given the connect timeout, not the read idle one.
+    #[tokio::test]
+    async fn a_handshake_that_never_comes_is_a_connect_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        tokio::spawn(async move {
+            let (_socket, _) = listener.accept().await.expect("accept");
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let uri: Uri = format!("https://localhost:{port}/").parse().expect("uri");
+        let timeouts = HttpTimeouts { connect: Duration::from_millis(300), read_idle: Duration::from_secs(30) };
+        let client = HttpClient::with_transport(&timeouts, false).expect("client");
+        let started = std::time::Instant::now();
+        let error = client.send(HttpRequest::post(uri, Vec::new())).await.expect_err("no handshake");
+        assert_eq!(error.code, ErrorCode::Timeout, "{error}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     }
 
     /// A response whose body stops coming ends in `timeout` after the read
