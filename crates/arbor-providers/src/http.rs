@@ -8,8 +8,8 @@
 //! The client is hyper's pooled client over rustls, used directly: every
 //! request through reqwest also went through its redirect and retry layers
 //! (which copy the headers, print the URI and parse it back as a URL) and
-//! its proxy matcher, ~5% of a turn's instructions and ~30 µs of the first
-//! token's path at low rates (bench/analysis.md). A proxy set in the
+//! its proxy matcher, ~6% of a JSON turn's instructions and ~33 µs of the
+//! first token's path at low rates (bench/analysis.md). A proxy set in the
 //! environment (`HTTPS_PROXY` and the like) is the one thing reqwest does
 //! that hyper does not, so with one set requests go through reqwest, which
 //! honours it as before.
@@ -199,7 +199,7 @@ impl HttpClient {
                 let response = tokio::time::timeout(self.read_idle, client.request(request))
                     .await
                     .map_err(|_| silent(self.read_idle, "before its response headers"))?
-                    .map_err(|error| transport_error(&error))?;
+                    .map_err(|error| transport_error(hyper_code(&error), &error))?;
                 let (parts, body) = response.into_parts();
                 Ok(HttpResponse {
                     status: parts.status.as_u16(),
@@ -217,12 +217,16 @@ impl HttpClient {
                     .body(body)
                     .send()
                     .await
-                    .map_err(|error| transport_error(&error))?;
+                    .map_err(|error| transport_error(reqwest_code(&error), &error))?;
                 let headers = std::mem::take(response.headers_mut());
                 Ok(HttpResponse {
                     status: response.status().as_u16(),
                     headers,
-                    body: Box::pin(response.bytes_stream().map(|piece| piece.map_err(|error| body_error(&error)))),
+                    body: Box::pin(
+                        response
+                            .bytes_stream()
+                            .map(|piece| piece.map_err(|error| body_error(error.is_timeout(), &error))),
+                    ),
                 })
             }
         }
@@ -340,7 +344,7 @@ impl HttpResponse {
         self.content_type_starts_with("application/json")
     }
 
-    /// Whether the `content-type` starts with `prefix`; `None` without one.
+    /// Whether the `content-type` starts with `prefix` (false without one).
     pub fn content_type_starts_with(&self, prefix: &str) -> bool {
         self.headers
             .get(hyper::header::CONTENT_TYPE)
@@ -402,11 +406,7 @@ impl Stream for IdleLimited {
             }
             Poll::Ready(Some(Err(error))) => {
                 self.ended = true;
-                let code = if error.is_timeout() { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
-                Poll::Ready(Some(Err(ProviderError::new(
-                    code,
-                    format!("the provider's stream broke off: {}", describe(&error)),
-                ))))
+                Poll::Ready(Some(Err(body_error(error.is_timeout(), &error))))
             }
             Poll::Ready(None) => {
                 self.ended = true;
@@ -575,71 +575,44 @@ pub async fn send(
     }
 }
 
-/// A failure of either transport to send the request or to receive the
-/// response headers.
-trait TransportError: std::error::Error {
-    fn timed_out(&self) -> bool;
-    fn broke_off(&self) -> bool;
-    fn malformed(&self) -> bool;
+/// What a failure to send the request or to receive the response headers
+/// means, by the transport's own account (reqwest), or by whether the
+/// connection timed out (hyper's client: the connect limit's `TimedOut`
+/// somewhere in the error's chain); its message names the causes.
+fn transport_error(code: ErrorCode, error: &(dyn std::error::Error + 'static)) -> ProviderError {
+    ProviderError::new(code, describe(error))
 }
 
-impl TransportError for reqwest::Error {
-    fn timed_out(&self) -> bool {
-        self.is_timeout()
-    }
-
-    fn broke_off(&self) -> bool {
-        self.is_body() || self.is_decode()
-    }
-
-    fn malformed(&self) -> bool {
-        self.is_builder()
-    }
-}
-
-impl TransportError for hyper_util::client::legacy::Error {
-    /// A connect timeout: the connector's own, an I/O error of kind
-    /// `TimedOut` somewhere in the chain.
-    fn timed_out(&self) -> bool {
-        let mut source = std::error::Error::source(self);
-        while let Some(cause) = source {
-            if cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
-                return true;
-            }
-            source = cause.source();
-        }
-        false
-    }
-
-    fn broke_off(&self) -> bool {
-        false
-    }
-
-    fn malformed(&self) -> bool {
-        false
-    }
-}
-
-fn transport_error(error: &impl TransportError) -> ProviderError {
-    let code = if error.timed_out() {
+fn reqwest_code(error: &reqwest::Error) -> ErrorCode {
+    if error.is_timeout() {
         ErrorCode::Timeout
-    } else if error.broke_off() {
+    } else if error.is_body() || error.is_decode() {
         ErrorCode::StreamInterrupted
-    } else if error.malformed() {
+    } else if error.is_builder() {
         ErrorCode::InvalidRequest
     } else {
         // Connection refused, DNS, TLS, a reset before the headers.
         ErrorCode::ProviderUnavailable
-    };
-    ProviderError::new(code, describe(error))
+    }
 }
 
-/// A failure while reading a response body that had started: a timeout
-/// stays a timeout (the provider went silent), anything else means the
-/// stream broke off.
-pub fn body_error(error: &reqwest::Error) -> ProviderError {
-    let code = if error.is_timeout() { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
-    ProviderError::new(code, describe(error))
+fn hyper_code(error: &(dyn std::error::Error + 'static)) -> ErrorCode {
+    let mut source = Some(error);
+    while let Some(cause) = source {
+        if cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
+            return ErrorCode::Timeout;
+        }
+        source = cause.source();
+    }
+    ErrorCode::ProviderUnavailable
+}
+
+/// A failure while reading a response body that had started, whichever
+/// transport or reader met it: a timeout stays a timeout (the provider went
+/// silent), anything else means the stream broke off.
+pub(crate) fn body_error(timed_out: bool, cause: &dyn std::error::Error) -> ProviderError {
+    let code = if timed_out { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
+    ProviderError::new(code, format!("the provider's stream broke off: {}", describe(cause)))
 }
 
 /// The clients' displays hide the cause ("error sending request", "client

@@ -99,8 +99,8 @@ impl fmt::Debug for OpenAiConfig {
 pub struct OpenAiProvider {
     client: HttpClient,
     uri: Uri,
-    /// `Bearer <key>`, made once.
-    authorization: Option<HeaderValue>,
+    /// What every request carries: the configured extra headers, then the
+    /// content type and the key (`Bearer`, marked sensitive), made once.
     headers: HeaderMap,
     max_tokens_field: MaxTokensField,
     stream_usage: bool,
@@ -115,7 +115,7 @@ impl fmt::Debug for OpenAiProvider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OpenAiProvider")
             .field("uri", &self.uri)
-            .field("api_key", &self.authorization.as_ref().map(|_| "<redacted>"))
+            .field("api_key", &self.headers.contains_key(AUTHORIZATION).then_some("<redacted>"))
             .finish_non_exhaustive()
     }
 }
@@ -156,14 +156,13 @@ impl OpenAiProvider {
                 format!("openai base_url {base_url:?} is not a valid URL: {error}"),
             )
         })?;
-        let authorization = match config.api_key.filter(|key| !key.is_empty()) {
-            Some(key) => Some(http::secret_header(&format!("Bearer {key}"))?),
-            None => None,
-        };
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(key) = config.api_key.filter(|key| !key.is_empty()) {
+            headers.insert(AUTHORIZATION, http::secret_header(&format!("Bearer {key}"))?);
+        }
         Ok(OpenAiProvider {
             client: HttpClient::new(&config.timeouts)?,
             uri,
-            authorization,
             headers,
             max_tokens_field: config.max_tokens_field,
             stream_usage: config.stream_usage,
@@ -202,12 +201,8 @@ impl OpenAiProvider {
             ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}"))
         })?;
         let accept = if stream { "text/event-stream" } else { "application/json" };
-        let mut request = HttpRequest { uri: self.uri.clone(), headers: self.headers.clone(), body: body.into() }
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        let request = HttpRequest { uri: self.uri.clone(), headers: self.headers.clone(), body: body.into() }
             .header(ACCEPT, HeaderValue::from_static(accept));
-        if let Some(authorization) = &self.authorization {
-            request = request.header(AUTHORIZATION, authorization.clone());
-        }
         http::send(&self.client, request, error_from_response).await
     }
 }

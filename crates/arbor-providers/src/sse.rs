@@ -46,15 +46,13 @@ pub trait BodyError {
 
 impl BodyError for reqwest::Error {
     fn into_provider_error(self) -> ProviderError {
-        crate::http::body_error(&self)
+        crate::http::body_error(self.is_timeout(), &self)
     }
 }
 
 impl BodyError for std::io::Error {
     fn into_provider_error(self) -> ProviderError {
-        let code =
-            if self.kind() == std::io::ErrorKind::TimedOut { ErrorCode::Timeout } else { ErrorCode::StreamInterrupted };
-        ProviderError::new(code, format!("the provider's stream broke off: {self}"))
+        crate::http::body_error(self.kind() == std::io::ErrorKind::TimedOut, &self)
     }
 }
 

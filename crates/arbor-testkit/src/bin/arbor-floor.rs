@@ -35,6 +35,7 @@ use arbor_providers::http::{HttpClient, HttpRequest, HttpTimeouts, endpoint};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
+use axum::http::Uri;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use clap::Parser;
@@ -91,7 +92,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let client = HttpClient::new(&HttpTimeouts::default()).map_err(|error| error.to_string())?;
     let answer_log = if args.fsyncs == 2 { log.clone() } else { None };
-    let upstream = args.upstream.trim_end_matches('/').to_owned();
+    let upstream = endpoint(&args.upstream)?.to_string().trim_end_matches('/').to_owned();
     let floor = Arc::new(Floor { client, upstream, request_log: log, answer_log });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -127,13 +128,14 @@ async fn try_forward(floor: &Floor, request: Request) -> Result<Response, String
     if let Some(log) = &floor.request_log {
         log.write(body.clone()).await?;
     }
-    let uri = endpoint(&format!("{}{}", floor.upstream, parts.uri.path()))?;
+    // The upstream was checked once at start-up; only the path is added.
+    let uri = Uri::try_from(format!("{}{}", floor.upstream, parts.uri.path())).map_err(|error| error.to_string())?;
     let request =
         HttpRequest::post(uri, body).header(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
     let upstream = floor.client.send(request).await.map_err(|error| format!("calling the upstream: {error}"))?;
     let status = StatusCode::from_u16(upstream.status()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = upstream.headers().get(header::CONTENT_TYPE).cloned();
-    let streamed = content_type.as_ref().is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
+    let streamed = upstream.content_type_starts_with("text/event-stream");
     let answer_log = floor.answer_log.clone();
     let body = if streamed {
         // Chunks go on as they come; the answer's durable write ends the
