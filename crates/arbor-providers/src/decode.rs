@@ -9,9 +9,10 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 
 use arbor_core::ProviderError;
-use futures_util::{Stream, StreamExt, stream};
+use futures_util::Stream;
 
 /// Where a decoder puts what one step gives, in order. An error ends the
 /// stream: it is delivered, and nothing after it is. The driver's own queue,
@@ -52,51 +53,72 @@ pub(crate) fn items<T>(result: Result<Vec<T>, ProviderError>, out: &mut Decoded<
 
 /// Feeds `pieces` to `decoder` and streams what it gives. An error in
 /// `pieces` (a broken body) ends the stream like a decoder's error does.
-pub(crate) fn drive<S, D>(pieces: S, decoder: D) -> impl Stream<Item = Result<D::Item, ProviderError>> + Send
+pub(crate) fn drive<S, D>(pieces: S, decoder: D) -> Drive<S, D>
 where
     S: Stream<Item = Result<D::Piece, ProviderError>> + Send + 'static,
     D: Decode,
 {
-    struct State<S, D: Decode> {
-        pieces: Pin<Box<S>>,
-        /// `None` once the output is complete: after an error, after the
-        /// decoder said it was done, or after the end of the body.
-        decoder: Option<D>,
-        ready: VecDeque<Result<D::Item, ProviderError>>,
-    }
-    let state = State { pieces: Box::pin(pieces), decoder: Some(decoder), ready: VecDeque::new() };
-    stream::unfold(state, |mut state| async move {
+    Drive { pieces: Box::pin(pieces), decoder: Some(decoder), ready: VecDeque::new() }
+}
+
+/// The stream [`drive`] gives. Written out rather than made with
+/// `stream::unfold`: that moves its state (the decoder, the queue) into a
+/// new future and back out with each item, several copies a chunk of every
+/// streamed reply (bench/analysis.md).
+pub(crate) struct Drive<S, D: Decode> {
+    pieces: Pin<Box<S>>,
+    /// `None` once the output is complete: after an error, after the
+    /// decoder said it was done, or after the end of the body.
+    decoder: Option<D>,
+    ready: Decoded<D::Item>,
+}
+
+// Nothing in it is pinned in place: the body is boxed.
+impl<S, D: Decode> Unpin for Drive<S, D> {}
+
+impl<S, D> Stream for Drive<S, D>
+where
+    S: Stream<Item = Result<D::Piece, ProviderError>>,
+    D: Decode,
+{
+    type Item = Result<D::Item, ProviderError>;
+
+    fn poll_next(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
         loop {
-            if let Some(item) = state.ready.pop_front() {
+            if let Some(item) = this.ready.pop_front() {
                 if item.is_err() {
                     // Nothing after an error may pass for more of the reply.
-                    state.decoder = None;
-                    state.ready.clear();
+                    this.decoder = None;
+                    this.ready.clear();
                 }
-                return Some((item, state));
+                return Poll::Ready(Some(item));
             }
-            let decoder = state.decoder.as_mut()?;
-            match state.pieces.next().await {
+            let Some(decoder) = this.decoder.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match ready!(this.pieces.as_mut().poll_next(context)) {
                 Some(Ok(piece)) => {
-                    decoder.feed(piece, &mut state.ready);
+                    decoder.feed(piece, &mut this.ready);
                     if decoder.is_done() {
-                        state.decoder = None;
+                        this.decoder = None;
                     }
                 }
-                Some(Err(error)) => state.ready.push_back(Err(error)),
+                Some(Err(error)) => this.ready.push_back(Err(error)),
                 None => {
-                    let decoder = state.decoder.take()?;
-                    decoder.end(&mut state.ready);
+                    if let Some(decoder) = this.decoder.take() {
+                        decoder.end(&mut this.ready);
+                    }
                 }
             }
         }
-    })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use arbor_core::ErrorCode;
-    use futures_util::FutureExt;
+    use futures_util::{FutureExt, StreamExt, stream};
 
     use super::*;
 

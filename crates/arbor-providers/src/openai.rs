@@ -861,7 +861,18 @@ impl Decode for StreamDecoder {
             self.close(out);
             return;
         }
-        let chunk = match self.reader.read(data) {
+        if let Some(found) = self.reader.retext(data) {
+            // Nearly every chunk of a stream: its text, as `apply_delta`
+            // would give it from the whole chunk.
+            if !found.text.is_empty() {
+                out.push_back(Ok(Chunk::Text(found.text)));
+            }
+            if let Some(reason) = found.finish_reason.filter(|reason| !reason.is_empty()) {
+                self.finish(&reason, out);
+            }
+            return;
+        }
+        let chunk = match self.reader.read_unmatched(data) {
             Some(chunk) => chunk,
             None => match serde_json::from_str::<WireChunk>(data) {
                 Ok(chunk) => chunk,
@@ -886,13 +897,11 @@ impl Decode for StreamDecoder {
                 apply_delta(delta, &mut self.calls, &mut emit);
             }
             if let Some(reason) = choice.finish_reason.filter(|reason| !reason.is_empty()) {
-                self.calls.close_all(&mut emit);
-                emit(Chunk::Finish(normalised_finish(&reason, &self.calls)));
-                self.finished = true;
+                self.finish(&reason, out);
             }
         }
         if let Some(usage) = chunk.usage {
-            emit(Chunk::Usage(usage.to_usage()));
+            out.push_back(Ok(Chunk::Usage(usage.to_usage())));
         }
     }
 
@@ -906,6 +915,14 @@ impl Decode for StreamDecoder {
 }
 
 impl StreamDecoder {
+    /// Choice 0 said why it stopped: its open tool calls close, then the
+    /// reason.
+    fn finish(&mut self, reason: &str, out: &mut Decoded<Chunk>) {
+        self.calls.close_all(&mut |chunk| out.push_back(Ok(chunk)));
+        out.push_back(Ok(Chunk::Finish(normalised_finish(reason, &self.calls))));
+        self.finished = true;
+    }
+
     /// The body ended (or said `[DONE]`): open tool calls close, and then a
     /// reply that never said why it stopped ends in an interruption.
     fn close(&mut self, out: &mut Decoded<Chunk>) {

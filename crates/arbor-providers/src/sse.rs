@@ -234,8 +234,12 @@ impl Decoder {
         if line.is_empty() {
             return self.dispatch().map(Ok);
         }
-        let (field, value) = match line.split_once(':') {
-            Some((field, value)) => (field, value.strip_prefix(' ').unwrap_or(value)),
+        // The field name is short (`data`, `event`): a plain scan finds its
+        // colon sooner than a searcher is set up (`split_once` was ~130
+        // instructions a line).
+        let (field, value) = match line.bytes().position(|byte| byte == b':') {
+            // The colon is ASCII: both sides are char boundaries.
+            Some(colon) => (&line[..colon], line[colon + 1..].strip_prefix(' ').unwrap_or(&line[colon + 1..])),
             None => (line, ""),
         };
         match field {

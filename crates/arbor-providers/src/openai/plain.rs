@@ -30,7 +30,7 @@
 
 use serde_json::Value;
 
-use super::{FirstChoice, WireChoice, WireChunk, WireDelta};
+use super::{WireChoice, WireChunk, WireDelta};
 
 /// Nesting this reader follows inside ignored values; deeper is serde's.
 const MAX_DEPTH: usize = 16;
@@ -51,19 +51,53 @@ pub(super) struct StreamReader {
 
 impl StreamReader {
     /// The chunk, when it is plain; `None` when serde_json must decide.
+    #[cfg(test)]
     pub(super) fn read(&mut self, data: &str) -> Option<WireChunk> {
+        match self.retext(data) {
+            Some(found) => self.template.as_ref().map(|template| template.chunk(found)),
+            None => self.read_unmatched(data),
+        }
+    }
+
+    /// A chunk [`StreamReader::retext`] did not match, read whole (and
+    /// kept as the template when it is a text chunk); `None` when
+    /// serde_json must decide.
+    pub(super) fn read_unmatched(&mut self, data: &str) -> Option<WireChunk> {
         if self.misses >= MISSES_BEFORE_GIVING_UP {
             return read(data);
         }
-        if let Some(template) = &self.template {
-            if let Some(chunk) = template.read(data) {
-                self.misses = 0;
-                return Some(chunk);
-            }
-            self.misses += 1;
-        }
         read_keeping(data, &mut self.template)
     }
+
+    /// The chunk's text and finish reason, when it is the last text chunk
+    /// read with other text: everything else it says is known, so the
+    /// caller needs no [`WireChunk`] (a few hundred bytes, built and moved
+    /// for each chunk of a stream). `None`, counted as a miss, when it
+    /// differs elsewhere; [`StreamReader::read_unmatched`] then reads it.
+    pub(super) fn retext(&mut self, data: &str) -> Option<Retext> {
+        if self.misses >= MISSES_BEFORE_GIVING_UP {
+            return None;
+        }
+        let template = self.template.as_ref()?;
+        match template.retext(data) {
+            Some(found) => {
+                self.misses = 0;
+                Some(found)
+            }
+            None => {
+                self.misses += 1;
+                None
+            }
+        }
+    }
+}
+
+/// What a chunk matching its stream's template says: text, for choice 0,
+/// and the template's finish reason (a plain text chunk has none).
+#[derive(Debug, PartialEq)]
+pub(super) struct Retext {
+    pub(super) text: String,
+    pub(super) finish_reason: Option<String>,
 }
 
 /// The chunk, when it is plain; `None` when serde_json must decide.
@@ -128,7 +162,22 @@ struct Template {
 impl Template {
     /// The chunk, when `data` is this one with other text; `None` when it
     /// must be read whole.
+    #[cfg(test)]
     fn read(&self, data: &str) -> Option<WireChunk> {
+        self.retext(data).map(|found| self.chunk(found))
+    }
+
+    /// What [`Template::retext`] found, as the chunk serde_json reads.
+    #[cfg(test)]
+    fn chunk(&self, Retext { text, finish_reason }: Retext) -> WireChunk {
+        let delta = WireDelta { content: Some(Value::String(text)), ..WireDelta::default() };
+        let choice = WireChoice { index: self.index, delta: Some(delta), finish_reason, ..WireChoice::default() };
+        WireChunk { choices: super::FirstChoice(Some(choice)), ..WireChunk::default() }
+    }
+
+    /// What the chunk says, when `data` is this one with other text;
+    /// `None` when it must be read whole.
+    fn retext(&self, data: &str) -> Option<Retext> {
         let (bytes, pattern) = (data.as_bytes(), self.data.as_bytes());
         if !bytes.starts_with(&pattern[..self.start]) {
             return None;
@@ -139,14 +188,7 @@ impl Template {
             return None;
         }
         let text = if escaped { reader.unescape_last(raw)? } else { raw.to_owned() };
-        let delta = WireDelta { content: Some(Value::String(text)), ..WireDelta::default() };
-        let choice = WireChoice {
-            index: self.index,
-            delta: Some(delta),
-            finish_reason: self.finish_reason.clone(),
-            ..WireChoice::default()
-        };
-        Some(WireChunk { choices: FirstChoice(Some(choice)), ..WireChunk::default() })
+        Some(Retext { text, finish_reason: self.finish_reason.clone() })
     }
 }
 
