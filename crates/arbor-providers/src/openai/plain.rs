@@ -1,5 +1,6 @@
 //! A direct reader for the chunk that makes up nearly all of a stream: a
-//! choice whose delta holds text, or nothing, or a finish reason.
+//! choice whose delta holds text, or nothing, or a finish reason; and for
+//! the chunk that ends most streams, the usage counts.
 //!
 //! serde_json reads such a chunk (~200–350 bytes, most of them fields
 //! Arbor ignores: id, model, fingerprint) in ~6,000 instructions, through
@@ -8,7 +9,7 @@
 //! (bench/profile.md). This reader walks the bytes once and builds the same
 //! [`WireChunk`] in ~3,500 (the benchmark's chunks, callgrind). It reads
 //! only what it is sure of and answers `None` for
-//! anything else — tool calls, reasoning, usage, a refusal, an error, an
+//! anything else — tool calls, reasoning, a refusal, an error, an
 //! escaped key, a duplicate field, malformed JSON — and the caller then asks
 //! serde_json, whose answer (a chunk or an error) is the one that counts.
 //! So the two never disagree: where this one answers, it answers what
@@ -30,7 +31,7 @@
 
 use serde_json::Value;
 
-use super::{WireChoice, WireChunk, WireDelta};
+use super::{WireChoice, WireChunk, WireCompletionDetails, WireDelta, WirePromptDetails, WireUsage};
 
 /// Nesting this reader follows inside ignored values; deeper is serde's.
 const MAX_DEPTH: usize = 16;
@@ -141,7 +142,9 @@ fn read_whole(data: &str) -> Option<(WireChunk, Option<(usize, usize)>)> {
         .as_ref()
         .and_then(|choice| choice.delta.as_ref())
         .is_some_and(|delta| matches!(delta.content, Some(Value::String(_))));
-    let text = (reader.texts == 1 && kept_text).then_some(reader.text_at);
+    // A chunk that also counts usage is no template: a chunk matching it
+    // is read as text and a finish reason alone.
+    let text = (reader.texts == 1 && kept_text && chunk.usage.is_none()).then_some(reader.text_at);
     Some((chunk, text))
 }
 
@@ -218,8 +221,8 @@ impl<'a> Reader<'a> {
         let mut seen = Seen::default();
         self.object(|reader, key| match key {
             "choices" => seen.first(1).and_then(|()| reader.choices(&mut chunk.choices.0)),
-            // Usage and errors are serde's; absent or null they are None.
-            "usage" => seen.first(2).and_then(|()| reader.null()),
+            "usage" => seen.first(2).and_then(|()| reader.usage(&mut chunk.usage)),
+            // Errors are serde's; absent or null they are None.
             "error" => seen.first(4).and_then(|()| reader.null()),
             _ => reader.skip(0),
         })
@@ -350,6 +353,69 @@ impl<'a> Reader<'a> {
     fn literal(&mut self, word: &[u8]) -> Option<()> {
         let found = self.bytes.get(self.at..self.at + word.len())? == word;
         found.then(|| self.at += word.len())
+    }
+
+    /// `usage`: null, or counts that are each null or a plain integer
+    /// (anything else, a float or a negative count, is serde's call). The
+    /// last chunk of nearly every stream; serde_json read it in ~4,000
+    /// instructions after this reader had given up on it halfway.
+    fn usage(&mut self, usage: &mut Option<WireUsage>) -> Option<()> {
+        if self.null().is_some() {
+            *usage = None;
+            return Some(());
+        }
+        let counts = usage.insert(WireUsage::default());
+        let mut seen = Seen::default();
+        self.object(|reader, key| {
+            let (bit, count) = match key {
+                "prompt_tokens" => (1, &mut counts.prompt_tokens),
+                "completion_tokens" => (2, &mut counts.completion_tokens),
+                "total_tokens" => (4, &mut counts.total_tokens),
+                "prompt_cache_hit_tokens" => (8, &mut counts.prompt_cache_hit_tokens),
+                "prompt_tokens_details" => {
+                    seen.first(16)?;
+                    counts.prompt_tokens_details =
+                        reader.details("cached_tokens")?.map(|cached_tokens| WirePromptDetails { cached_tokens });
+                    return Some(());
+                }
+                "completion_tokens_details" => {
+                    seen.first(32)?;
+                    counts.completion_tokens_details = reader
+                        .details("reasoning_tokens")?
+                        .map(|reasoning_tokens| WireCompletionDetails { reasoning_tokens });
+                    return Some(());
+                }
+                _ => return reader.skip(0),
+            };
+            seen.first(bit)?;
+            *count = reader.count()?;
+            Some(())
+        })
+    }
+
+    /// A details object of `usage`: `None` when not sure, `Some(None)` for
+    /// null, else the one count kept (`field`) as [`Reader::count`] reads it.
+    fn details(&mut self, field: &str) -> Option<Option<Option<u64>>> {
+        if self.null().is_some() {
+            return Some(None);
+        }
+        let (mut kept, mut seen) = (None, false);
+        self.object(|reader, key| {
+            if key != field {
+                return reader.skip(0);
+            }
+            if std::mem::replace(&mut seen, true) {
+                return None;
+            }
+            kept = reader.count()?;
+            Some(())
+        })?;
+        Some(Some(kept))
+    }
+
+    /// A token count: null, or a non-negative integer that fits a u64.
+    fn count(&mut self) -> Option<Option<u64>> {
+        if self.null().is_some() { Some(None) } else { self.index().map(Some) }
     }
 
     /// A choice's index: a non-negative integer that fits a u64.
@@ -673,6 +739,31 @@ mod tests {
     }
 
     #[test]
+    fn recorded_usage_reads_as_serde_reads_it() {
+        let usage: Vec<_> = recorded_chunks().iter().filter(|chunk| chunk.contains(r#""usage":{"#)).collect();
+        assert!(usage.len() >= 5, "the recorded streams' usage chunks were not found");
+        for chunk in usage {
+            assert!(agree(chunk), "not read directly: {chunk}");
+        }
+        // Counts and details null, absent or empty; other fields skipped.
+        for data in [
+            r#"{"choices":[],"usage":{"prompt_tokens":null,"prompt_tokens_details":null,"completion_tokens_details":{}}}"#,
+            r#"{"choices":[],"usage":{"total_tokens":3,"cost":1.5e-3,"prompt_tokens_details":{"audio_tokens":[1]}}}"#,
+            r#"{"choices":[],"usage":{"prompt_cache_hit_tokens":18446744073709551615}}"#,
+        ] {
+            assert!(agree(data), "not read directly: {data}");
+        }
+    }
+
+    #[test]
+    fn a_text_chunk_that_counts_usage_is_no_template() {
+        let with_usage = r#"{"choices":[{"index":0,"delta":{"content":"a"}}],"usage":{"prompt_tokens":1}}"#;
+        let mut template = None;
+        assert!(read_keeping(with_usage, &mut template).is_some_and(|chunk| chunk.usage.is_some()));
+        assert!(template.is_none(), "a chunk matching it would lose its usage");
+    }
+
+    #[test]
     fn text_escapes_and_finish_reasons_read_whole() {
         let chunk = read(
             r#"{"id":"x","created":1,"choices":[{"index":0,"delta":{"role":"assistant","content":"a\"b\\\n\u00e9\ud83d\ude00/\/"},"logprobs":null,"finish_reason":null}],"usage":null}"#,
@@ -691,7 +782,11 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}"#,
             r#"{"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}"#,
             r#"{"choices":[{"index":0,"delta":{"refusal":"no"}}]}"#,
-            r#"{"choices":[],"usage":{"prompt_tokens":1}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1.0}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":-1}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1,"prompt_tokens":2}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":1,"cached_tokens":1}}}"#,
+            r#"{"choices":[],"usage":[]}"#,
             r#"{"error":{"message":"overloaded"}}"#,
             // Content as a list of parts; a whole message.
             r#"{"choices":[{"index":0,"delta":{"content":[{"type":"text","text":"a"}]}}]}"#,
