@@ -20,7 +20,7 @@ use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
 use bytes::Bytes;
 use futures_util::Stream;
-use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -103,11 +103,8 @@ impl AnthropicProvider {
             )
         })?;
         headers.insert(HeaderName::from_static("anthropic-version"), version);
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Some(key) = &config.api_key {
-            headers.insert(HeaderName::from_static("x-api-key"), http::secret_header(key)?);
-        }
-        Ok(AnthropicProvider { client, uri, headers })
+        let key = config.api_key.as_deref().map(|key| (HeaderName::from_static("x-api-key"), key));
+        Ok(AnthropicProvider { client, uri, headers: http::request_headers(headers, key)? })
     }
 
     /// Sends the request and returns the response if its status is a

@@ -23,7 +23,7 @@ use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
-use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{HeaderMap, HeaderName};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
@@ -78,11 +78,8 @@ pub struct GeminiProvider {
 impl GeminiProvider {
     pub fn new(config: GeminiConfig) -> Result<GeminiProvider, ProviderError> {
         let client = HttpClient::new(&config.timeouts)?;
-        let mut headers = HeaderMap::new();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Some(key) = &config.api_key {
-            headers.insert(HeaderName::from_static("x-goog-api-key"), http::secret_header(key)?);
-        }
+        let key = config.api_key.as_deref().map(|key| (HeaderName::from_static("x-goog-api-key"), key));
+        let headers = http::request_headers(HeaderMap::new(), key)?;
         Ok(GeminiProvider { config, client, headers })
     }
 
@@ -114,8 +111,7 @@ impl Provider for GeminiProvider {
         let response = self.send(url, body).await?;
         // Without `alt=sse` (a proxy may drop it) the same stream comes as
         // one JSON array; read whichever form arrived.
-        let is_sse =
-            response.headers().get(CONTENT_TYPE).is_none() || response.content_type_starts_with("text/event-stream");
+        let is_sse = response.content_type().is_none_or(|value| value.starts_with("text/event-stream"));
         let body = response.into_stream();
         Ok(if is_sse { decode_body(body) } else { decode_json_array_body(body) })
     }

@@ -26,7 +26,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body_util::{BodyDataStream, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderMap, HeaderName, HeaderValue, USER_AGENT};
+use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, USER_AGENT};
 use hyper::{Method, Uri};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
@@ -244,9 +244,20 @@ pub fn endpoint(text: &str) -> Result<Uri, String> {
     Uri::try_from(url.as_str()).map_err(|error| error.to_string())
 }
 
+/// The headers an adapter sends with every request, made once: `headers`
+/// (its own or the configured ones), the JSON content type, and the API
+/// key, if any, under its header name.
+pub fn request_headers(mut headers: HeaderMap, key: Option<(HeaderName, &str)>) -> Result<HeaderMap, ProviderError> {
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some((name, value)) = key {
+        headers.insert(name, secret_header(value)?);
+    }
+    Ok(headers)
+}
+
 /// A header value holding a secret (an API key): invalid text is refused,
 /// and the value is marked sensitive (left out of debug output).
-pub fn secret_header(value: &str) -> Result<HeaderValue, ProviderError> {
+fn secret_header(value: &str) -> Result<HeaderValue, ProviderError> {
     let mut header = HeaderValue::from_str(value).map_err(|_| {
         ProviderError::new(ErrorCode::InvalidRequest, "the API key holds characters that are not valid in HTTP")
     })?;
@@ -339,17 +350,14 @@ impl HttpResponse {
         &self.headers
     }
 
-    /// Whether the body is JSON, by its `content-type`.
-    pub fn is_json(&self) -> bool {
-        self.content_type_starts_with("application/json")
+    /// The `content-type`, when there is one in plain text.
+    pub fn content_type(&self) -> Option<&str> {
+        self.headers.get(CONTENT_TYPE).and_then(|value| value.to_str().ok())
     }
 
-    /// Whether the `content-type` starts with `prefix` (false without one).
-    pub fn content_type_starts_with(&self, prefix: &str) -> bool {
-        self.headers
-            .get(hyper::header::CONTENT_TYPE)
-            .and_then(|value| value.to_str().ok())
-            .is_some_and(|value| value.starts_with(prefix))
+    /// Whether the body is JSON, by its `content-type`.
+    pub fn is_json(&self) -> bool {
+        self.content_type().is_some_and(|value| value.starts_with("application/json"))
     }
 
     /// The next piece of the body; `None` at its end.
@@ -575,10 +583,9 @@ pub async fn send(
     }
 }
 
-/// What a failure to send the request or to receive the response headers
-/// means, by the transport's own account (reqwest), or by whether the
-/// connection timed out (hyper's client: the connect limit's `TimedOut`
-/// somewhere in the error's chain); its message names the causes.
+/// A failure to send the request or to receive the response headers, as
+/// `code` ([`reqwest_code`] or [`hyper_code`] says which); its message names
+/// the causes.
 fn transport_error(code: ErrorCode, error: &(dyn std::error::Error + 'static)) -> ProviderError {
     ProviderError::new(code, describe(error))
 }
@@ -596,6 +603,8 @@ fn reqwest_code(error: &reqwest::Error) -> ErrorCode {
     }
 }
 
+/// hyper's client: a timeout where the connect limit's `TimedOut` is
+/// somewhere in the error's chain, else the provider is unavailable.
 fn hyper_code(error: &(dyn std::error::Error + 'static)) -> ErrorCode {
     let mut source = Some(error);
     while let Some(cause) = source {
@@ -789,7 +798,7 @@ mod tests {
             let (uri, server) = answering_once(ANSWER).await;
             let client = HttpClient::with_transport(&HttpTimeouts::default(), proxied).expect("client");
             let request = HttpRequest::post(uri, b"{\"q\":1}".to_vec())
-                .header(hyper::header::CONTENT_TYPE, HeaderValue::from_static("application/json"))
+                .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
                 .header(HeaderName::from_static("x-api-key"), secret_header("k-1").expect("valid"));
             let response = client.send(request).await.expect("answered");
             assert_eq!(response.status(), 429, "proxied: {proxied}");

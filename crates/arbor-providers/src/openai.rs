@@ -18,7 +18,7 @@ use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolCall, Usage}
 use bytes::Bytes;
 use futures_util::{Stream, stream};
 use hyper::Uri;
-use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -156,14 +156,11 @@ impl OpenAiProvider {
                 format!("openai base_url {base_url:?} is not a valid URL: {error}"),
             )
         })?;
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Some(key) = config.api_key.filter(|key| !key.is_empty()) {
-            headers.insert(AUTHORIZATION, http::secret_header(&format!("Bearer {key}"))?);
-        }
+        let bearer = config.api_key.filter(|key| !key.is_empty()).map(|key| format!("Bearer {key}"));
         Ok(OpenAiProvider {
             client: HttpClient::new(&config.timeouts)?,
             uri,
-            headers,
+            headers: http::request_headers(headers, bearer.as_deref().map(|bearer| (AUTHORIZATION, bearer)))?,
             max_tokens_field: config.max_tokens_field,
             stream_usage: config.stream_usage,
             send_signatures: base_url.contains(".googleapis.com"),

@@ -135,7 +135,7 @@ async fn try_forward(floor: &Floor, request: Request) -> Result<Response, String
     let upstream = floor.client.send(request).await.map_err(|error| format!("calling the upstream: {error}"))?;
     let status = StatusCode::from_u16(upstream.status()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = upstream.headers().get(header::CONTENT_TYPE).cloned();
-    let streamed = upstream.content_type_starts_with("text/event-stream");
+    let streamed = upstream.content_type().is_some_and(|value| value.starts_with("text/event-stream"));
     let answer_log = floor.answer_log.clone();
     let body = if streamed {
         // Chunks go on as they come; the answer's durable write ends the
