@@ -10,6 +10,7 @@ pub mod cost;
 pub mod error;
 pub mod event;
 pub mod ids;
+pub mod json;
 pub mod message;
 pub mod tokens;
 pub mod tree;

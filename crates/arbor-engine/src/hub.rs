@@ -122,7 +122,7 @@ impl HubState {
 
 fn to_json(payload: &impl Serialize) -> Arc<str> {
     // Payloads are plain structs and json! values: serializing cannot fail.
-    serde_json::to_string(payload).unwrap_or_else(|_| "{}".to_string()).into()
+    arbor_core::json::to_string(payload).unwrap_or_else(|_| "{}".to_string()).into()
 }
 
 /// Who numbers a conversation's events.

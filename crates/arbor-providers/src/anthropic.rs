@@ -140,7 +140,7 @@ impl Provider for AnthropicProvider {
 }
 
 fn encode(request: &MessagesRequest<'_>) -> Result<Vec<u8>, ProviderError> {
-    serde_json::to_vec(request)
+    arbor_core::json::to_vec(request)
         .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
 }
 

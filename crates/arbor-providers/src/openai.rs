@@ -194,7 +194,7 @@ impl OpenAiProvider {
     }
 
     async fn post(&self, request: &ChatRequest, stream: bool) -> Result<http::HttpResponse, ProviderError> {
-        let body = serde_json::to_vec(&self.wire_request(request, stream)).map_err(|error| {
+        let body = arbor_core::json::to_vec(&self.wire_request(request, stream)).map_err(|error| {
             ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}"))
         })?;
         let accept = if stream { "text/event-stream" } else { "application/json" };

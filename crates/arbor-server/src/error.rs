@@ -3,7 +3,6 @@
 //! details of server faults are logged, never sent.
 
 use arbor_engine::EngineError;
-use axum::Json;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -107,7 +106,7 @@ impl IntoResponse for ApiError {
         error.insert("code".into(), json!(self.code));
         error.insert("message".into(), json!(self.message));
         error.extend(self.extra);
-        (self.status, Json(json!({ "error": error }))).into_response()
+        (self.status, crate::extract::Json(json!({ "error": error }))).into_response()
     }
 }
 

@@ -3,8 +3,11 @@
 
 use arbor_store::User;
 use axum::extract::{FromRequest, FromRequestParts, Request};
-use axum::http::header::{ACCEPT, AUTHORIZATION};
+use axum::http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::AppState;
@@ -50,7 +53,7 @@ impl FromRequestParts<AppState> for Caller {
 }
 
 /// A JSON body; malformed JSON, wrong types and unknown fields are a 400
-/// naming the problem, an oversized body a 413.
+/// naming the problem, an oversized body a 413. Also a JSON response (below).
 pub struct Json<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
@@ -59,6 +62,24 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
     async fn from_request(request: Request, state: &S) -> Result<Json<T>, ApiError> {
         let axum::Json(value) = axum::Json::<T>::from_request(request, state).await?;
         Ok(Json(value))
+    }
+}
+
+/// A JSON response body, written by `arbor_core::json` (serde_json's
+/// output, with a faster string escape: a turn's response is mostly ids,
+/// timestamps and text). A value that cannot be written, which no
+/// response type here allows, is a plain-text 500 as with `axum::Json`.
+impl<T: Serialize> IntoResponse for Json<T> {
+    fn into_response(self) -> Response {
+        match arbor_core::json::to_vec(&self.0) {
+            Ok(body) => ([(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response(),
+            Err(error) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"))],
+                error.to_string(),
+            )
+                .into_response(),
+        }
     }
 }
 

@@ -39,7 +39,7 @@ pub(crate) fn json_list<T: Serialize>(items: &[T]) -> StoreResult<Option<String>
     if items.is_empty() {
         return Ok(None);
     }
-    serde_json::to_string(items)
+    arbor_core::json::to_string(items)
         .map(Some)
         .map_err(|error| StoreError::Database(format!("cannot serialize a json column: {error}")))
 }
@@ -408,5 +408,5 @@ pub(crate) fn number_events(events: &[Event], mut last_before: HashMap<String, i
 
 /// A turn's pending messages as stored.
 pub(crate) fn pending_json(turn: &crate::Turn) -> String {
-    serde_json::to_string(&turn.pending_messages).unwrap_or_else(|_| "[]".to_string())
+    arbor_core::json::to_string(&turn.pending_messages).unwrap_or_else(|_| "[]".to_string())
 }

@@ -42,7 +42,7 @@ async fn create(
             NewConversation { title: body.title, model: body.model, system_prompt: body.system_prompt },
         )
         .await?;
-    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))).into_response())
+    Ok((StatusCode::CREATED, Json(views::conversation(&conversation))).into_response())
 }
 
 #[derive(Deserialize)]
@@ -65,7 +65,7 @@ async fn list(
         .then(|| conversations.last().map(|last| format!("{}.{}", last.created_at, last.id)))
         .flatten();
     let items: Vec<_> = conversations.iter().map(views::conversation).collect();
-    Ok(axum::Json(json!({ "conversations": items, "next_cursor": next_cursor })))
+    Ok(Json(json!({ "conversations": items, "next_cursor": next_cursor })))
 }
 
 fn parse_cursor(text: &str) -> ApiResult<ConversationCursor> {
@@ -101,7 +101,7 @@ async fn read(
         messages: Vec<views::NodeView<'a>>,
     }
     let body = Body { conversation: views::conversation(&tree.conversation), messages: views::nodes(&tree.messages) };
-    Ok(axum::Json(body).into_response())
+    Ok(Json(body).into_response())
 }
 
 #[derive(Deserialize)]
@@ -121,7 +121,7 @@ async fn update(
     let update =
         ConversationUpdate { title: body.title, system_prompt: body.system_prompt, model: body.model, updated_at: 0 };
     let conversation = state.engine.update_conversation(&user, &id, update).await?;
-    Ok(axum::Json(views::conversation(&conversation)).into_response())
+    Ok(Json(views::conversation(&conversation)).into_response())
 }
 
 async fn remove(

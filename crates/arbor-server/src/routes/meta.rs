@@ -7,7 +7,7 @@ use axum::routing::get;
 use serde_json::json;
 
 use crate::AppState;
-use crate::extract::Caller;
+use crate::extract::{Caller, Json};
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -19,7 +19,7 @@ pub fn router() -> Router<AppState> {
 
 /// Answers once the server is ready (store opened, engine started).
 async fn health() -> impl IntoResponse {
-    axum::Json(json!({"status": "ok"}))
+    Json(json!({"status": "ok"}))
 }
 
 /// Prometheus text: turn overhead and duration histograms, turn counts, the
@@ -45,11 +45,11 @@ async fn models(State(state): State<AppState>, Caller(_user): Caller) -> impl In
             })
         })
         .collect();
-    axum::Json(json!({"default_model": models.default_model(), "models": list}))
+    Json(json!({"default_model": models.default_model(), "models": list}))
 }
 
 async fn me(Caller(user): Caller) -> impl IntoResponse {
-    axum::Json(json!({
+    Json(json!({
         "id": user.id,
         "name": user.name,
         "is_admin": user.is_admin,

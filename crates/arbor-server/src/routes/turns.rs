@@ -105,11 +105,11 @@ async fn submit(
         Submitted::Turn(handle) => respond_turn(&state, *handle, stream, visibility).await,
         Submitted::Recorded { messages, head_id, head_version } => Ok((
             StatusCode::CREATED,
-            axum::Json(json!({"messages": views::nodes(&messages), "head_id": head_id, "head_version": head_version})),
+            Json(json!({"messages": views::nodes(&messages), "head_id": head_id, "head_version": head_version})),
         )
             .into_response()),
         Submitted::HeadMoved { head_id, head_version } => {
-            Ok(axum::Json(json!({"head_id": head_id, "head_version": head_version})).into_response())
+            Ok(Json(json!({"head_id": head_id, "head_version": head_version})).into_response())
         }
     }
 }
@@ -164,7 +164,7 @@ async fn move_head(
     Json(body): Json<HeadRequest>,
 ) -> ApiResult<impl IntoResponse> {
     let head_version = state.engine.set_head(&user, &id, &body.message_id, body.if_head_version).await?;
-    Ok(axum::Json(json!({"head_id": body.message_id, "head_version": head_version})))
+    Ok(Json(json!({"head_id": body.message_id, "head_version": head_version})))
 }
 
 #[derive(Deserialize)]
@@ -180,7 +180,7 @@ async fn fork(
     Json(body): Json<ForkRequest>,
 ) -> ApiResult<impl IntoResponse> {
     let conversation = state.engine.fork(&user, &id, &body.message_id).await?;
-    Ok((StatusCode::CREATED, axum::Json(views::conversation(&conversation))).into_response())
+    Ok((StatusCode::CREATED, Json(views::conversation(&conversation))).into_response())
 }
 
 /// The JSON answer of a finished turn: 200 with the reply, or the turn's
@@ -204,7 +204,7 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
         ("x-arbor-store-wait-us", outcome.store_wait.as_micros().to_string()),
     ];
     let Some(code) = outcome.turn.error_code.as_deref() else {
-        return (StatusCode::OK, overhead, axum::Json(body)).into_response();
+        return (StatusCode::OK, overhead, Json(body)).into_response();
     };
     let status = match code {
         "rate_limit" => StatusCode::TOO_MANY_REQUESTS,
@@ -260,7 +260,7 @@ async fn read_turn(
             .map(|event| json!({"id": event.seq, "event": event.name.as_str(), "data": event.data_json()}))
             .collect::<Vec<_>>()
     );
-    Ok(axum::Json(body))
+    Ok(Json(body))
 }
 
 async fn cancel_turn(
@@ -269,5 +269,5 @@ async fn cancel_turn(
     Path((id, turn)): Path<(String, String)>,
 ) -> ApiResult<impl IntoResponse> {
     let turn = state.engine.cancel_turn(&user, &id, &turn).await?;
-    Ok((StatusCode::ACCEPTED, axum::Json(views::turn(&turn))).into_response())
+    Ok((StatusCode::ACCEPTED, Json(views::turn(&turn))).into_response())
 }

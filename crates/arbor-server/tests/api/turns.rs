@@ -125,6 +125,40 @@ async fn the_json_mode_waits_and_returns_the_turn_and_the_reply() {
 }
 
 #[tokio::test]
+async fn json_replies_are_labelled_json_and_carry_any_text_exactly() {
+    let app = spawn_app().await;
+    let key = app.admin_key.clone();
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let text = "say \"hi\"\n\tback\\slash \u{1}\u{1f}\u{7f} é € 😀 </script>";
+    let response = app
+        .client
+        .post(app.url(&format!("/v1/conversations/{conversation}/messages")))
+        .bearer_auth(&key)
+        .json(&json!({"content": text}))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    let body: Value = response.json().await.expect("json");
+    assert!(body["message"]["content"].as_str().expect("content").contains(text), "{body}");
+
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(tree.body["messages"][0]["content"], text, "stored and read back unchanged");
+    // A lone backslash, in the middle of a longer plain run.
+    let path = "C:\\Users\\arbor\\notes.txt";
+    let reply = app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": path})).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert!(reply.body["message"]["content"].as_str().expect("content").contains(path), "{:?}", reply.body);
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(tree.body["messages"][2]["content"], path);
+
+    let missing = app.client.get(app.url("/v1/conversations/nope")).bearer_auth(&key).send().await.expect("sent");
+    assert_eq!(missing.status(), 404);
+    assert_eq!(missing.headers()["content-type"], "application/json");
+}
+
+#[tokio::test]
 async fn a_conversation_sent_out_of_memory_comes_back_from_the_store() {
     // No quiet conversation is kept: loading another one sends the first
     // out of memory (its hub, event numbering and cached tree).
