@@ -146,16 +146,122 @@ fn push_display_string<T: ?Sized + Display>(out: &mut String, value: &T) {
     push_string(out, &text);
 }
 
-fn push_f64(out: &mut String, value: f64) {
+/// A finite float as serde_json writes it (zmij's shortest form).
+fn push_finite<F: zmij::Float>(out: &mut String, value: F) {
     out.push_str(zmij::Buffer::new().format_finite(value));
 }
 
-fn push_f32(out: &mut String, value: f32) {
-    out.push_str(zmij::Buffer::new().format_finite(value));
+/// A float value: `null` when it is not finite, as serde_json writes it.
+fn push_float<F: zmij::Float>(out: &mut String, value: F, finite: bool) {
+    if finite {
+        push_finite(out, value);
+    } else {
+        out.push_str("null");
+    }
 }
 
 fn push_integer<I: itoa::Integer>(out: &mut String, value: I) {
     out.push_str(itoa::Buffer::new().format(value));
+}
+
+/// The ten integer methods of a `Serializer`, each `|$this, $value| $body`.
+macro_rules! integers {
+    ($this:ident, $value:ident => $body:expr) => {
+        integers!(@each $this, $value => $body; serialize_i8: i8, serialize_i16: i16, serialize_i32: i32,
+            serialize_i64: i64, serialize_i128: i128, serialize_u8: u8, serialize_u16: u16,
+            serialize_u32: u32, serialize_u64: u64, serialize_u128: u128);
+    };
+    (@each $this:ident, $value:ident => $body:expr; $($method:ident: $type:ty),*) => {
+        $(
+            fn $method(self, $value: $type) -> Result<()> {
+                let $this = self;
+                $body
+            }
+        )*
+    };
+}
+
+/// The types and methods of a `Serializer` for a place that takes only a
+/// scalar (an object key, a `RawValue`'s text): bytes, nothing, and every
+/// compound are refused with `$error()`.
+macro_rules! refuse_compounds {
+    ($error:ident) => {
+        type Ok = ();
+        type Error = Error;
+        type SerializeSeq = Impossible<(), Error>;
+        type SerializeTuple = Impossible<(), Error>;
+        type SerializeTupleStruct = Impossible<(), Error>;
+        type SerializeTupleVariant = Impossible<(), Error>;
+        type SerializeMap = Impossible<(), Error>;
+        type SerializeStruct = Impossible<(), Error>;
+        type SerializeStructVariant = Impossible<(), Error>;
+
+        fn serialize_bytes(self, _value: &[u8]) -> Result<()> {
+            Err($error())
+        }
+
+        fn serialize_none(self) -> Result<()> {
+            Err($error())
+        }
+
+        fn serialize_unit(self) -> Result<()> {
+            Err($error())
+        }
+
+        fn serialize_unit_struct(self, _name: &'static str) -> Result<()> {
+            Err($error())
+        }
+
+        fn serialize_newtype_variant<T: ?Sized + Serialize>(
+            self,
+            _name: &'static str,
+            _index: u32,
+            _variant: &'static str,
+            _value: &T,
+        ) -> Result<()> {
+            Err($error())
+        }
+
+        fn serialize_seq(self, _len: Option<usize>) -> Result<Self::SerializeSeq> {
+            Err($error())
+        }
+
+        fn serialize_tuple(self, _len: usize) -> Result<Self::SerializeTuple> {
+            Err($error())
+        }
+
+        fn serialize_tuple_struct(self, _name: &'static str, _len: usize) -> Result<Self::SerializeTupleStruct> {
+            Err($error())
+        }
+
+        fn serialize_tuple_variant(
+            self,
+            _name: &'static str,
+            _index: u32,
+            _variant: &'static str,
+            _len: usize,
+        ) -> Result<Self::SerializeTupleVariant> {
+            Err($error())
+        }
+
+        fn serialize_map(self, _len: Option<usize>) -> Result<Self::SerializeMap> {
+            Err($error())
+        }
+
+        fn serialize_struct(self, _name: &'static str, _len: usize) -> Result<Self::SerializeStruct> {
+            Err($error())
+        }
+
+        fn serialize_struct_variant(
+            self,
+            _name: &'static str,
+            _index: u32,
+            _variant: &'static str,
+            _len: usize,
+        ) -> Result<Self::SerializeStructVariant> {
+            Err($error())
+        }
+    };
 }
 
 struct Writer<'a>(&'a mut String);
@@ -196,71 +302,18 @@ impl<'a> ser::Serializer for Writer<'a> {
         Ok(())
     }
 
-    fn serialize_i8(self, value: i8) -> Result<()> {
-        push_integer(self.0, value);
+    integers!(this, value => {
+        push_integer(this.0, value);
         Ok(())
-    }
-
-    fn serialize_i16(self, value: i16) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_i32(self, value: i32) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_i64(self, value: i64) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_i128(self, value: i128) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_u8(self, value: u8) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_u16(self, value: u16) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_u32(self, value: u32) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_u64(self, value: u64) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_u128(self, value: u128) -> Result<()> {
-        push_integer(self.0, value);
-        Ok(())
-    }
+    });
 
     fn serialize_f32(self, value: f32) -> Result<()> {
-        if value.is_finite() {
-            push_f32(self.0, value);
-        } else {
-            self.0.push_str("null");
-        }
+        push_float(self.0, value, value.is_finite());
         Ok(())
     }
 
     fn serialize_f64(self, value: f64) -> Result<()> {
-        if value.is_finite() {
-            push_f64(self.0, value);
-        } else {
-            self.0.push_str("null");
-        }
+        push_float(self.0, value, value.is_finite());
         Ok(())
     }
 
@@ -406,8 +459,11 @@ impl Compound<'_> {
         value.serialize(Writer(&mut *self.out))
     }
 
+    /// Writes the end: `close` unless the length closed it at once (or it
+    /// is a `RawValue`, which has no brackets of its own), then the
+    /// variant's `}`.
     fn close(self, close: char) -> Result<()> {
-        if self.state != State::Empty {
+        if self.state != State::Empty && self.state != State::Raw {
             self.out.push(close);
         }
         if self.variant {
@@ -431,57 +487,33 @@ impl Compound<'_> {
     }
 }
 
-impl ser::SerializeSeq for Compound<'_> {
-    type Ok = ();
-    type Error = Error;
+/// The four array shapes (a sequence, a tuple, a tuple struct, a tuple
+/// variant's fields): elements separated by commas, closed by `]`.
+macro_rules! arrays {
+    ($($shape:ident::$element:ident),*) => {
+        $(
+            impl ser::$shape for Compound<'_> {
+                type Ok = ();
+                type Error = Error;
 
-    fn serialize_element<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
-        self.element(value)
-    }
+                fn $element<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+                    self.element(value)
+                }
 
-    fn end(self) -> Result<()> {
-        self.close(']')
-    }
+                fn end(self) -> Result<()> {
+                    self.close(']')
+                }
+            }
+        )*
+    };
 }
 
-impl ser::SerializeTuple for Compound<'_> {
-    type Ok = ();
-    type Error = Error;
-
-    fn serialize_element<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
-        self.element(value)
-    }
-
-    fn end(self) -> Result<()> {
-        self.close(']')
-    }
-}
-
-impl ser::SerializeTupleStruct for Compound<'_> {
-    type Ok = ();
-    type Error = Error;
-
-    fn serialize_field<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
-        self.element(value)
-    }
-
-    fn end(self) -> Result<()> {
-        self.close(']')
-    }
-}
-
-impl ser::SerializeTupleVariant for Compound<'_> {
-    type Ok = ();
-    type Error = Error;
-
-    fn serialize_field<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
-        self.element(value)
-    }
-
-    fn end(self) -> Result<()> {
-        self.close(']')
-    }
-}
+arrays!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field
+);
 
 impl ser::SerializeMap for Compound<'_> {
     type Ok = ();
@@ -503,34 +535,28 @@ impl ser::SerializeMap for Compound<'_> {
     }
 }
 
-impl ser::SerializeStruct for Compound<'_> {
-    type Ok = ();
-    type Error = Error;
+/// A struct's and a struct variant's fields: an object (or, for a
+/// `RawValue`, its text).
+macro_rules! structs {
+    ($($shape:ident),*) => {
+        $(
+            impl ser::$shape for Compound<'_> {
+                type Ok = ();
+                type Error = Error;
 
-    fn serialize_field<T: ?Sized + Serialize>(&mut self, key: &'static str, value: &T) -> Result<()> {
-        self.field(key, value)
-    }
+                fn serialize_field<T: ?Sized + Serialize>(&mut self, key: &'static str, value: &T) -> Result<()> {
+                    self.field(key, value)
+                }
 
-    fn end(self) -> Result<()> {
-        if self.state == State::Raw {
-            return Ok(());
-        }
-        self.close('}')
-    }
+                fn end(self) -> Result<()> {
+                    self.close('}')
+                }
+            }
+        )*
+    };
 }
 
-impl ser::SerializeStructVariant for Compound<'_> {
-    type Ok = ();
-    type Error = Error;
-
-    fn serialize_field<T: ?Sized + Serialize>(&mut self, key: &'static str, value: &T) -> Result<()> {
-        self.field(key, value)
-    }
-
-    fn end(self) -> Result<()> {
-        self.close('}')
-    }
-}
+structs!(SerializeStruct, SerializeStructVariant);
 
 fn key_must_be_a_string() -> Error {
     Error::custom("key must be a string")
@@ -547,164 +573,51 @@ impl KeyWriter<'_> {
         self.0.push('"');
         Ok(())
     }
+
+    fn float<F: zmij::Float>(self, value: F, finite: bool) -> Result<()> {
+        if !finite {
+            return Err(Error::custom("float key must be finite (got NaN or +/-inf)"));
+        }
+        self.quoted(|out| push_finite(out, value))
+    }
 }
 
 impl ser::Serializer for KeyWriter<'_> {
-    type Ok = ();
-    type Error = Error;
-    type SerializeSeq = Impossible<(), Error>;
-    type SerializeTuple = Impossible<(), Error>;
-    type SerializeTupleStruct = Impossible<(), Error>;
-    type SerializeTupleVariant = Impossible<(), Error>;
-    type SerializeMap = Impossible<(), Error>;
-    type SerializeStruct = Impossible<(), Error>;
-    type SerializeStructVariant = Impossible<(), Error>;
+    refuse_compounds!(key_must_be_a_string);
 
     fn serialize_bool(self, value: bool) -> Result<()> {
         self.quoted(|out| out.push_str(if value { "true" } else { "false" }))
     }
 
-    fn serialize_i8(self, value: i8) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_i16(self, value: i16) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_i32(self, value: i32) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_i64(self, value: i64) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_i128(self, value: i128) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_u8(self, value: u8) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_u16(self, value: u16) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_u32(self, value: u32) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_u64(self, value: u64) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
-
-    fn serialize_u128(self, value: u128) -> Result<()> {
-        self.quoted(|out| push_integer(out, value))
-    }
+    integers!(this, value => this.quoted(|out| push_integer(out, value)));
 
     fn serialize_f32(self, value: f32) -> Result<()> {
-        if !value.is_finite() {
-            return Err(Error::custom("float key must be finite (got NaN or +/-inf)"));
-        }
-        self.quoted(|out| push_f32(out, value))
+        self.float(value, value.is_finite())
     }
 
     fn serialize_f64(self, value: f64) -> Result<()> {
-        if !value.is_finite() {
-            return Err(Error::custom("float key must be finite (got NaN or +/-inf)"));
-        }
-        self.quoted(|out| push_f64(out, value))
+        self.float(value, value.is_finite())
     }
 
+    // Strings, chars and unit variants are keys as they are values.
     fn serialize_char(self, value: char) -> Result<()> {
-        push_string(self.0, value.encode_utf8(&mut [0; 4]));
-        Ok(())
+        ser::Serializer::serialize_char(Writer(self.0), value)
     }
 
     fn serialize_str(self, value: &str) -> Result<()> {
-        push_string(self.0, value);
-        Ok(())
-    }
-
-    fn serialize_bytes(self, _value: &[u8]) -> Result<()> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_none(self) -> Result<()> {
-        Err(key_must_be_a_string())
+        ser::Serializer::serialize_str(Writer(self.0), value)
     }
 
     fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<()> {
         value.serialize(self)
     }
 
-    fn serialize_unit(self) -> Result<()> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_unit_struct(self, _name: &'static str) -> Result<()> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_unit_variant(self, _name: &'static str, _index: u32, variant: &'static str) -> Result<()> {
-        push_string(self.0, variant);
-        Ok(())
+    fn serialize_unit_variant(self, name: &'static str, index: u32, variant: &'static str) -> Result<()> {
+        ser::Serializer::serialize_unit_variant(Writer(self.0), name, index, variant)
     }
 
     fn serialize_newtype_struct<T: ?Sized + Serialize>(self, _name: &'static str, value: &T) -> Result<()> {
         value.serialize(self)
-    }
-
-    fn serialize_newtype_variant<T: ?Sized + Serialize>(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _value: &T,
-    ) -> Result<()> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_seq(self, _len: Option<usize>) -> Result<Self::SerializeSeq> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_tuple(self, _len: usize) -> Result<Self::SerializeTuple> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_tuple_struct(self, _name: &'static str, _len: usize) -> Result<Self::SerializeTupleStruct> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _len: usize,
-    ) -> Result<Self::SerializeTupleVariant> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_map(self, _len: Option<usize>) -> Result<Self::SerializeMap> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_struct(self, _name: &'static str, _len: usize) -> Result<Self::SerializeStruct> {
-        Err(key_must_be_a_string())
-    }
-
-    fn serialize_struct_variant(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _len: usize,
-    ) -> Result<Self::SerializeStructVariant> {
-        Err(key_must_be_a_string())
     }
 
     fn collect_str<T: ?Sized + Display>(self, value: &T) -> Result<()> {
@@ -721,15 +634,7 @@ fn not_raw_text() -> Error {
 }
 
 impl ser::Serializer for RawText<'_> {
-    type Ok = ();
-    type Error = Error;
-    type SerializeSeq = Impossible<(), Error>;
-    type SerializeTuple = Impossible<(), Error>;
-    type SerializeTupleStruct = Impossible<(), Error>;
-    type SerializeTupleVariant = Impossible<(), Error>;
-    type SerializeMap = Impossible<(), Error>;
-    type SerializeStruct = Impossible<(), Error>;
-    type SerializeStructVariant = Impossible<(), Error>;
+    refuse_compounds!(not_raw_text);
 
     fn serialize_str(self, value: &str) -> Result<()> {
         self.0.push_str(value);
@@ -740,37 +645,7 @@ impl ser::Serializer for RawText<'_> {
         Err(not_raw_text())
     }
 
-    fn serialize_i8(self, _value: i8) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_i16(self, _value: i16) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_i32(self, _value: i32) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_i64(self, _value: i64) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_u8(self, _value: u8) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_u16(self, _value: u16) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_u32(self, _value: u32) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_u64(self, _value: u64) -> Result<()> {
-        Err(not_raw_text())
-    }
+    integers!(_this, _value => Err(not_raw_text()));
 
     fn serialize_f32(self, _value: f32) -> Result<()> {
         Err(not_raw_text())
@@ -784,23 +659,7 @@ impl ser::Serializer for RawText<'_> {
         Err(not_raw_text())
     }
 
-    fn serialize_bytes(self, _value: &[u8]) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_none(self) -> Result<()> {
-        Err(not_raw_text())
-    }
-
     fn serialize_some<T: ?Sized + Serialize>(self, _value: &T) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_unit(self) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_unit_struct(self, _name: &'static str) -> Result<()> {
         Err(not_raw_text())
     }
 
@@ -809,56 +668,6 @@ impl ser::Serializer for RawText<'_> {
     }
 
     fn serialize_newtype_struct<T: ?Sized + Serialize>(self, _name: &'static str, _value: &T) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_newtype_variant<T: ?Sized + Serialize>(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _value: &T,
-    ) -> Result<()> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_seq(self, _len: Option<usize>) -> Result<Self::SerializeSeq> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_tuple(self, _len: usize) -> Result<Self::SerializeTuple> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_tuple_struct(self, _name: &'static str, _len: usize) -> Result<Self::SerializeTupleStruct> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _len: usize,
-    ) -> Result<Self::SerializeTupleVariant> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_map(self, _len: Option<usize>) -> Result<Self::SerializeMap> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_struct(self, _name: &'static str, _len: usize) -> Result<Self::SerializeStruct> {
-        Err(not_raw_text())
-    }
-
-    fn serialize_struct_variant(
-        self,
-        _name: &'static str,
-        _index: u32,
-        _variant: &'static str,
-        _len: usize,
-    ) -> Result<Self::SerializeStructVariant> {
         Err(not_raw_text())
     }
 }
