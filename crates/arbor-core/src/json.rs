@@ -477,7 +477,7 @@ impl Compound<'_> {
             return if key == RAW_VALUE_TOKEN {
                 value.serialize(RawText(self.out))
             } else {
-                Err(Error::custom("expected a RawValue's text"))
+                Err(not_raw_text())
             };
         }
         self.separate();
