@@ -474,11 +474,7 @@ impl Compound<'_> {
 
     fn field<T: ?Sized + Serialize>(&mut self, key: &'static str, value: &T) -> Result<()> {
         if self.state == State::Raw {
-            return if key == RAW_VALUE_TOKEN {
-                value.serialize(RawText(self.out))
-            } else {
-                Err(not_raw_text())
-            };
+            return if key == RAW_VALUE_TOKEN { value.serialize(RawText(self.out)) } else { Err(not_raw_text()) };
         }
         self.separate();
         push_string(self.out, key);
