@@ -46,19 +46,19 @@ pub fn write<T: ?Sized + Serialize>(out: &mut String, value: &T) -> Result<()> {
 /// as; its field holds the JSON text to write unchanged.
 const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
 
-const ONES: u64 = 0x0101_0101_0101_0101;
-const HIGH: u64 = 0x8080_8080_8080_8080;
-
-/// A mask with the high bit set in the byte lanes of `word` that JSON must
-/// escape (`"`, `\` and controls below 0x20), read little-endian. Borrows
-/// can mark a lane above a marked one falsely, never below, so the lowest
-/// marked lane is always a byte that needs escaping.
-fn escapes(word: u64) -> u64 {
-    let quote = word ^ (ONES * u64::from(b'"'));
-    let backslash = word ^ (ONES * u64::from(b'\\'));
-    let zero_lane = |x: u64| x.wrapping_sub(ONES) & !x;
-    let control = word.wrapping_sub(ONES * 0x20) & !word;
-    (zero_lane(quote) | zero_lane(backslash) | control) & HIGH
+/// The bytes of `word` (little-endian) that end a JSON string's plain run
+/// (a quote, a backslash or a control character below 0x20), as the high
+/// bit of each. The usual zero-byte test: `(x - n * 0x01..) & !x & 0x80..`
+/// flags a byte below `n` (for `n` ≤ 0x80); a borrow can flag bytes above
+/// a flagged one, never below, so the lowest flag is the first such byte.
+/// Used to write strings here and to read them in the OpenAI stream
+/// reader.
+#[inline]
+pub fn special_bytes(word: u64) -> u64 {
+    const ONES: u64 = u64::MAX / 255;
+    const HIGHS: u64 = ONES * 0x80;
+    let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGHS;
+    below(word ^ (ONES * u64::from(b'"')), 1) | below(word ^ (ONES * u64::from(b'\\')), 1) | below(word, 0x20)
 }
 
 /// Appends `text` as a JSON string, quoted and escaped as serde_json does.
@@ -82,12 +82,12 @@ fn first_escape(bytes: &[u8]) -> Option<usize> {
     if len < 8 {
         let mut padded = [b' '; 8];
         padded[..len].copy_from_slice(bytes);
-        let mask = escapes(u64::from_le_bytes(padded));
+        let mask = special_bytes(u64::from_le_bytes(padded));
         return (mask != 0).then(|| lowest(mask));
     }
     let mut at = 0;
     while at + 8 <= len {
-        let mask = escapes(word_at(at));
+        let mask = special_bytes(word_at(at));
         if mask != 0 {
             return Some(at + lowest(mask));
         }
@@ -95,7 +95,7 @@ fn first_escape(bytes: &[u8]) -> Option<usize> {
     }
     // The bytes before `at` are clean, so the lowest marked lane of the
     // overlapping last word is at or after `at`.
-    let mask = if at < len { escapes(word_at(len - 8)) } else { 0 };
+    let mask = if at < len { special_bytes(word_at(len - 8)) } else { 0 };
     (mask != 0).then(|| len - 8 + lowest(mask))
 }
 
@@ -892,6 +892,18 @@ mod tests {
     }
 
     proptest! {
+        /// The lowest flag in a word is its first quote, backslash or
+        /// control character, and no flag means there is none.
+        #[test]
+        fn a_words_first_special_byte_is_found(word in prop::array::uniform8(prop::sample::select(
+            vec![0u8, 0x1f, 0x20, b'"', b'\\', b'!', b'#', b'[', b']', b'a', 0x7f, 0x80, 0xa0, 0xdc, 0xff],
+        ))) {
+            let first = word.iter().position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\');
+            let flags = special_bytes(u64::from_le_bytes(word));
+            let found = (flags != 0).then(|| (flags.trailing_zeros() / 8) as usize);
+            prop_assert_eq!(found, first, "{:?}", word);
+        }
+
         #[test]
         fn any_value_is_written_as_serde_json_writes_it(value in value()) {
             same(&value);

@@ -503,7 +503,7 @@ impl<'a> Reader<'a> {
         // setup, and a word's first special byte is found exactly.
         loop {
             while let Some(&word) = bytes[at..].first_chunk::<8>() {
-                let found = special(u64::from_le_bytes(word));
+                let found = arbor_core::json::special_bytes(u64::from_le_bytes(word));
                 if found != 0 {
                     at += (found.trailing_zeros() / 8) as usize;
                     break;
@@ -551,18 +551,6 @@ impl<'a> Reader<'a> {
             self.at += 1;
         }
     }
-}
-
-/// The bytes of `word` (little-endian) that end a string's plain run — a
-/// quote, a backslash or a control character (below 0x20) — as the high
-/// bit of each. The usual zero-byte test: `(x - n * 0x01..) & !x & 0x80..`
-/// flags a byte below `n` (for `n` ≤ 0x80); a borrow can flag bytes above
-/// a flagged one, never below, so the lowest flag is the first such byte.
-fn special(word: u64) -> u64 {
-    const ONES: u64 = u64::MAX / 255;
-    const HIGHS: u64 = ONES * 0x80;
-    let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGHS;
-    below(word ^ (ONES * u64::from(b'"')), 1) | below(word ^ (ONES * u64::from(b'\\')), 1) | below(word, 0x20)
 }
 
 #[cfg(test)]
@@ -803,20 +791,6 @@ mod tests {
             r#"{"choices":null}"#,
         ] {
             assert!(read(data).is_none(), "read directly: {data}");
-        }
-    }
-
-    proptest! {
-        /// The lowest flag in a word is its first quote, backslash or
-        /// control character, and no flag means there is none.
-        #[test]
-        fn a_words_first_special_byte_is_found(word in prop::array::uniform8(prop::sample::select(
-            vec![0u8, 0x1f, 0x20, b'"', b'\\', b'!', b'#', b'[', b']', b'a', 0x7f, 0x80, 0xa0, 0xdc, 0xff],
-        ))) {
-            let first = word.iter().position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\');
-            let flags = special(u64::from_le_bytes(word));
-            let found = (flags != 0).then(|| (flags.trailing_zeros() / 8) as usize);
-            prop_assert_eq!(found, first, "{:?}", word);
         }
     }
 
