@@ -274,7 +274,12 @@ impl<'a> Writer<'a> {
         self.0.push(':');
     }
 
-    fn open(self, open: char, close: char, len: Option<usize>, variant: bool) -> Compound<'a> {
+    /// Opens an array or object, inside `{"variant":` when it is an enum
+    /// variant's.
+    fn open(mut self, open: char, close: char, len: Option<usize>, variant: Option<&str>) -> Compound<'a> {
+        if let Some(variant) = variant {
+            self.open_variant(variant);
+        }
         self.0.push(open);
         let state = if len == Some(0) {
             self.0.push(close);
@@ -282,7 +287,7 @@ impl<'a> Writer<'a> {
         } else {
             State::First
         };
-        Compound { out: self.0, state, variant }
+        Compound { out: self.0, state, variant: variant.is_some() }
     }
 }
 
@@ -378,7 +383,7 @@ impl<'a> ser::Serializer for Writer<'a> {
     }
 
     fn serialize_seq(self, len: Option<usize>) -> Result<Compound<'a>> {
-        Ok(self.open('[', ']', len, false))
+        Ok(self.open('[', ']', len, None))
     }
 
     fn serialize_tuple(self, len: usize) -> Result<Compound<'a>> {
@@ -390,18 +395,17 @@ impl<'a> ser::Serializer for Writer<'a> {
     }
 
     fn serialize_tuple_variant(
-        mut self,
+        self,
         _name: &'static str,
         _index: u32,
         variant: &'static str,
         len: usize,
     ) -> Result<Compound<'a>> {
-        self.open_variant(variant);
-        Ok(self.open('[', ']', Some(len), true))
+        Ok(self.open('[', ']', Some(len), Some(variant)))
     }
 
     fn serialize_map(self, len: Option<usize>) -> Result<Compound<'a>> {
-        Ok(self.open('{', '}', len, false))
+        Ok(self.open('{', '}', len, None))
     }
 
     fn serialize_struct(self, name: &'static str, len: usize) -> Result<Compound<'a>> {
@@ -412,14 +416,13 @@ impl<'a> ser::Serializer for Writer<'a> {
     }
 
     fn serialize_struct_variant(
-        mut self,
+        self,
         _name: &'static str,
         _index: u32,
         variant: &'static str,
         len: usize,
     ) -> Result<Compound<'a>> {
-        self.open_variant(variant);
-        Ok(self.open('{', '}', Some(len), true))
+        Ok(self.open('{', '}', Some(len), Some(variant)))
     }
 
     fn collect_str<T: ?Sized + Display>(self, value: &T) -> Result<()> {

@@ -122,13 +122,13 @@ impl Provider for AnthropicProvider {
     }
 
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
-        let body = encode(&build_request(&request, true)?)?;
+        let body = http::json_body(&build_request(&request, true)?)?;
         let response = self.send(body).await?;
         Ok(decode_body(response.into_stream()))
     }
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
-        let body = encode(&build_request(&request, false)?)?;
+        let body = http::json_body(&build_request(&request, false)?)?;
         let response = self.send(body).await?;
         let bytes = response.bytes().await?;
         let mut collected = Collected::default();
@@ -137,11 +137,6 @@ impl Provider for AnthropicProvider {
         }
         Ok(collected.finish())
     }
-}
-
-fn encode(request: &MessagesRequest<'_>) -> Result<Vec<u8>, ProviderError> {
-    arbor_core::json::to_vec(request)
-        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
 }
 
 // ---------------------------------------------------------------------------

@@ -106,7 +106,7 @@ impl Provider for GeminiProvider {
     }
 
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
-        let body = encode(&build_request(&request)?)?;
+        let body = http::json_body(&build_request(&request)?)?;
         let url = self.url(&request.model, "streamGenerateContent?alt=sse");
         let response = self.send(url, body).await?;
         // Without `alt=sse` (a proxy may drop it) the same stream comes as
@@ -117,7 +117,7 @@ impl Provider for GeminiProvider {
     }
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
-        let body = encode(&build_request(&request)?)?;
+        let body = http::json_body(&build_request(&request)?)?;
         let url = self.url(&request.model, "generateContent");
         let response = self.send(url, body).await?;
         let bytes = response.bytes().await?;
@@ -127,11 +127,6 @@ impl Provider for GeminiProvider {
         }
         Ok(collected.finish())
     }
-}
-
-fn encode(request: &GenerateContentRequest<'_>) -> Result<Vec<u8>, ProviderError> {
-    arbor_core::json::to_vec(request)
-        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
 }
 
 // ---------------------------------------------------------------------------

@@ -255,6 +255,12 @@ pub fn request_headers(mut headers: HeaderMap, key: Option<(HeaderName, &str)>) 
     Ok(headers)
 }
 
+/// A request body: `request` as JSON (`arbor_core::json`).
+pub fn json_body<T: serde::Serialize>(request: &T) -> Result<Vec<u8>, ProviderError> {
+    arbor_core::json::to_vec(request)
+        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
+}
+
 /// A header value holding a secret (an API key): invalid text is refused,
 /// and the value is marked sensitive (left out of debug output).
 fn secret_header(value: &str) -> Result<HeaderValue, ProviderError> {

@@ -194,9 +194,7 @@ impl OpenAiProvider {
     }
 
     async fn post(&self, request: &ChatRequest, stream: bool) -> Result<http::HttpResponse, ProviderError> {
-        let body = arbor_core::json::to_vec(&self.wire_request(request, stream)).map_err(|error| {
-            ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}"))
-        })?;
+        let body = http::json_body(&self.wire_request(request, stream))?;
         let accept = if stream { "text/event-stream" } else { "application/json" };
         let request = HttpRequest { uri: self.uri.clone(), headers: self.headers.clone(), body: body.into() }
             .header(ACCEPT, HeaderValue::from_static(accept));

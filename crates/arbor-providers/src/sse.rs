@@ -239,7 +239,10 @@ impl Decoder {
         // instructions a line).
         let (field, value) = match line.bytes().position(|byte| byte == b':') {
             // The colon is ASCII: both sides are char boundaries.
-            Some(colon) => (&line[..colon], line[colon + 1..].strip_prefix(' ').unwrap_or(&line[colon + 1..])),
+            Some(colon) => {
+                let value = &line[colon + 1..];
+                (&line[..colon], value.strip_prefix(' ').unwrap_or(value))
+            }
             None => (line, ""),
         };
         match field {

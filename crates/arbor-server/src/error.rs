@@ -8,6 +8,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
+use crate::extract::Json;
+
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -106,7 +108,7 @@ impl IntoResponse for ApiError {
         error.insert("code".into(), json!(self.code));
         error.insert("message".into(), json!(self.message));
         error.extend(self.extra);
-        (self.status, crate::extract::Json(json!({ "error": error }))).into_response()
+        (self.status, Json(json!({ "error": error }))).into_response()
     }
 }
 

@@ -674,7 +674,8 @@ const FINISH_TURN: &str = concat!(
 /// A notice as sent on [`NOTICE_CHANNEL`] (the listener reads it back as
 /// an [`Envelope`]).
 fn notice_payload(notice: &Notice) -> StoreResult<String> {
-    serde_json::to_string(notice).map_err(|error| StoreError::Database(format!("cannot encode a notice: {error}")))
+    arbor_core::json::to_string(notice)
+        .map_err(|error| StoreError::Database(format!("cannot encode a notice: {error}")))
 }
 
 /// The usual start of a turn ([`START_TURN`]) with `executor` (the pool, or

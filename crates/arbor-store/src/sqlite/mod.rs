@@ -1283,7 +1283,7 @@ impl Store for SqliteStore {
         // SQLite has no array parameters: the statuses travel as one JSON
         // array, unpacked by json_each, so the statement stays static.
         let names: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
-        let names = serde_json::to_string(&names).map_err(|error| StoreError::Database(error.to_string()))?;
+        let names = arbor_core::json::to_string(&names).map_err(|error| StoreError::Database(error.to_string()))?;
         // Live turns are found through the partial indexes of running and
         // of queued turns, which SQLite uses only for a query that repeats
         // their conditions.
