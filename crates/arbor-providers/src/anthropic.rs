@@ -770,7 +770,7 @@ impl Decode for StreamDecoder {
     type Item = Chunk;
 
     fn feed(&mut self, event: SseEvent, out: &mut Decoded<Chunk>) {
-        decode::items(self.push(&event.data), out);
+        decode::items(event.text().and_then(|data| self.push(data)), out);
     }
 
     fn end(self, out: &mut Decoded<Chunk>) {

@@ -1127,7 +1127,7 @@ where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
     E: BodyError + Send + 'static,
 {
-    let responses = sse_events(body).map(|event| event.map(|event| event.data));
+    let responses = sse_events(body).map(|event| event.and_then(|event| event.text().map(str::to_owned)));
     Box::pin(decode::drive(responses, StreamDecoder::new()))
 }
 

@@ -843,7 +843,13 @@ impl Decode for StreamDecoder {
     type Item = Chunk;
 
     fn feed(&mut self, event: SseEvent, out: &mut Decoded<Chunk>) {
-        let data = event.data.trim();
+        let data = match event.text() {
+            Ok(data) => data.trim(),
+            Err(error) => {
+                out.push_back(Err(error));
+                return;
+            }
+        };
         if event.event == "error" {
             out.push_back(Err(stream_error(data)));
             return;

@@ -593,7 +593,7 @@ mod tests {
                 crate::sse::decode_chunked(&body, &[])
                     .into_iter()
                     .filter_map(Result::ok)
-                    .map(|event| event.data.trim().to_owned())
+                    .map(|event| event.text().expect("recorded streams are UTF-8").trim().to_owned())
                     .filter(|data| data.starts_with('{'))
                     .collect()
             })
