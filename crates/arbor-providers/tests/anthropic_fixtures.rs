@@ -99,23 +99,6 @@ fn text_stream_gives_text_usage_and_stop() {
     assert_eq!(reply.message(), Message::assistant("Hello"));
 }
 
-/// The SSE framing hands an event's data on as bytes and the adapter checks
-/// that it is UTF-8: an event that is not ends the reply there, however the
-/// body is cut.
-#[test]
-fn an_event_that_is_not_utf8_ends_the_stream_at_every_cut() {
-    let mut body = read(RECORDED, "stream-text.response.sse");
-    let at = body.windows(5).position(|window| window == b"Hello").expect("the text is in the body");
-    body[at] = 0xff;
-    for cut in 0..=body.len() {
-        let (chunks, error) = decode(&body, &[cut]);
-        let error = error.expect("the stream ends with an error");
-        assert_eq!(error.code, ErrorCode::StreamInterrupted, "cut at {cut}");
-        assert!(error.message.contains("not valid UTF-8"), "{}", error.message);
-        assert_eq!(fold(&chunks).text, "", "cut at {cut}");
-    }
-}
-
 #[test]
 fn cache_read_stream_counts_cached_input_and_stops_at_max_tokens() {
     let (_, reply) = stream("stream-text-cache-read-max-tokens.response.sse");

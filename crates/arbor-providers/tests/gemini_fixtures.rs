@@ -131,23 +131,6 @@ fn recorded_signature(body: &[u8], n: usize) -> String {
 // Streams
 // ---------------------------------------------------------------------------
 
-/// The SSE framing hands an event's data on as bytes and the adapter checks
-/// that it is UTF-8: a response that is not ends the reply there, however
-/// the body is cut.
-#[test]
-fn a_response_that_is_not_utf8_ends_the_stream_at_every_cut() {
-    let mut body = read(RECORDED, "stream-text-sse.response.sse");
-    let at = body.windows(5).position(|window| window == b"Paris").expect("the text is in the body");
-    body[at] = 0xff;
-    for cut in 0..=body.len() {
-        let (chunks, error) = decode_sse(&body, &[cut]);
-        let error = error.expect("the stream ends with an error");
-        assert_eq!(error.code, ErrorCode::StreamInterrupted, "cut at {cut}");
-        assert!(error.message.contains("not valid UTF-8"), "{}", error.message);
-        assert_eq!(fold(&chunks).text, "The capital of France", "cut at {cut}");
-    }
-}
-
 #[test]
 fn text_stream_gives_text_usage_and_stop() {
     let (chunks, reply) = sse("stream-text-sse.response.sse");

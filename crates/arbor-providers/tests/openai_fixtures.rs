@@ -121,25 +121,6 @@ fn openai_text_stream_with_usage() {
     assert!(reply.tool_calls.is_empty() && reply.parts.is_empty());
 }
 
-/// The SSE framing hands an event's data on as bytes and the adapter checks
-/// that it is UTF-8: a chunk that is not ends the reply there, however the
-/// body is cut.
-#[test]
-fn a_chunk_that_is_not_utf8_ends_the_stream_at_every_cut() {
-    let mut body = stream_body("openai/stream-text-usage");
-    let at = body.windows(4).position(|window| window == b"City").expect("the text is in the body");
-    body[at] = 0xff;
-    for cut in 0..=body.len() {
-        let items = decode(&body, &[cut]);
-        let (last, before) = items.split_last().expect("items");
-        let error = last.as_ref().expect_err("the stream ends with an error");
-        assert_eq!(error.code, ErrorCode::StreamInterrupted, "cut at {cut}");
-        assert!(error.message.contains("not valid UTF-8"), "{}", error.message);
-        let text = fold(before).expect("no error before the last").text;
-        assert_eq!(text, "The capital of Mexico is Mexico", "cut at {cut}");
-    }
-}
-
 #[test]
 fn openai_stream_with_cached_prompt_stopped_by_length() {
     let reply = streamed("openai/stream-text-cached-tokens-length");
