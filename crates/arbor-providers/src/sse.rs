@@ -57,7 +57,7 @@ impl SseEvent {
 }
 
 /// `bytes` as text, or the error that ends a stream that is not UTF-8.
-pub fn utf8(bytes: &[u8]) -> Result<&str, ProviderError> {
+fn utf8(bytes: &[u8]) -> Result<&str, ProviderError> {
     simdutf8::basic::from_utf8(bytes).map_err(|_| not_utf8(bytes))
 }
 
