@@ -41,12 +41,13 @@ pub struct SseReader {
     body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
     buffer: String,
     pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
 }
 
 impl SseReader {
     pub fn new(response: reqwest::Response) -> SseReader {
-        let status = response.status().as_u16();
-        SseReader { body: Box::pin(response.bytes_stream()), buffer: String::new(), status }
+        let (status, headers) = (response.status().as_u16(), response.headers().clone());
+        SseReader { body: Box::pin(response.bytes_stream()), buffer: String::new(), status, headers }
     }
 
     /// The next event, or `None` when the stream ended or `deadline` passed.

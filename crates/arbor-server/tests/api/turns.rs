@@ -274,6 +274,9 @@ async fn a_client_that_disconnects_does_not_stop_the_turn_and_can_resume() {
             &[],
         )
         .await;
+    // Served as an event stream that no cache keeps.
+    assert_eq!(stream.headers.get("content-type").map(|value| value.as_bytes()), Some(&b"text/event-stream"[..]));
+    assert_eq!(stream.headers.get("cache-control").map(|value| value.as_bytes()), Some(&b"no-cache"[..]));
     let first_part = stream.until("delta", DEADLINE).await;
     let last_seen = first_part.last().and_then(|event| event.id).expect("an event id");
     let turn_id = first_part[0].data["turn_id"].as_str().expect("turn id").to_string();
