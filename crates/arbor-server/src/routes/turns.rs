@@ -6,7 +6,7 @@ use arbor_core::tree::ViewMessage;
 use arbor_engine::{QueueMode, Submit, Submitted, TurnHandle, TurnOutcome, Until};
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
@@ -199,9 +199,11 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
     };
     // Arbor's own share of the turn's time, and of that the wait for its
     // durable writes, for callers measuring overhead.
+    // (Names made once, not parsed per response; values written as numbers.)
+    let micros = |time: std::time::Duration| HeaderValue::from(u64::try_from(time.as_micros()).unwrap_or(u64::MAX));
     let overhead = [
-        ("x-arbor-overhead-us", outcome.overhead.as_micros().to_string()),
-        ("x-arbor-store-wait-us", outcome.store_wait.as_micros().to_string()),
+        (HeaderName::from_static("x-arbor-overhead-us"), micros(outcome.overhead)),
+        (HeaderName::from_static("x-arbor-store-wait-us"), micros(outcome.store_wait)),
     ];
     let Some(code) = outcome.turn.error_code.as_deref() else {
         return (StatusCode::OK, overhead, Json(body)).into_response();
