@@ -32,6 +32,10 @@ use tokio_util::sync::CancellationToken;
 /// proxies and load balancers (commonly after 30–60 s).
 pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 
+/// How often a quiet stream is checked: a check that finds nothing sent
+/// since the last one pings, so silences last at most two of these.
+const CHECK_EVERY: Duration = Duration::from_millis(KEEP_ALIVE.as_millis() as u64 / 2);
+
 /// What a quiet stream sends: an SSE comment, which clients ignore.
 const PING: &[u8] = b":\n\n";
 
@@ -40,7 +44,7 @@ pub fn respond(events: EventStream, visibility: Visibility, shutdown: Cancellati
         .filter(move |event| std::future::ready(visibility.shows(event.name)))
         .map(|event| Ok(frame(&event)))
         .take_until(shutdown.cancelled_owned());
-    let body = Body::from_stream(KeepAlive::new(frames, KEEP_ALIVE));
+    let body = Body::from_stream(KeepAlive::new(frames));
     ([(CONTENT_TYPE, "text/event-stream"), (CACHE_CONTROL, "no-cache")], body).into_response()
 }
 
@@ -75,16 +79,12 @@ struct KeepAlive<S> {
     /// The next check. Not reset when a frame goes out (that would be a
     /// timer update per event); `sent` records it instead.
     check: Pin<Box<Sleep>>,
-    /// Half the longest silence: a check that finds nothing sent since the
-    /// last one pings, so silences last at most two of these.
-    every: Duration,
     sent: bool,
 }
 
 impl<S> KeepAlive<S> {
-    fn new(frames: S, longest_silence: Duration) -> KeepAlive<S> {
-        let every = longest_silence / 2;
-        KeepAlive { frames: Box::pin(frames), check: Box::pin(tokio::time::sleep(every)), every, sent: false }
+    fn new(frames: S) -> KeepAlive<S> {
+        KeepAlive { frames: Box::pin(frames), check: Box::pin(tokio::time::sleep(CHECK_EVERY)), sent: false }
     }
 }
 
@@ -102,7 +102,7 @@ where
         }
         loop {
             ready!(this.check.as_mut().poll(context));
-            let next = Instant::now() + this.every;
+            let next = Instant::now() + CHECK_EVERY;
             this.check.as_mut().reset(next);
             if !std::mem::take(&mut this.sent) {
                 return Poll::Ready(Some(Ok(Bytes::from_static(PING))));
@@ -172,7 +172,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_quiet_stream_pings_within_the_keep_alive_and_a_busy_one_does_not() {
         let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Result<Bytes, Infallible>>();
-        let mut stream = KeepAlive::new(tokio_stream::wrappers::UnboundedReceiverStream::new(receiver), KEEP_ALIVE);
+        let mut stream = KeepAlive::new(tokio_stream::wrappers::UnboundedReceiverStream::new(receiver));
         let ping = Some(Ok(Bytes::from_static(PING)));
         let frame = Some(Ok(Bytes::from_static(b"frame")));
         // Silent from the start: a ping within the limit.
@@ -200,7 +200,7 @@ mod tests {
     #[tokio::test]
     async fn the_stream_ends_with_its_events() {
         let frames = stream::iter([Ok(Bytes::from_static(b"a")), Ok(Bytes::from_static(b"b"))]);
-        let all: Vec<_> = KeepAlive::new(frames, KEEP_ALIVE).collect().await;
+        let all: Vec<_> = KeepAlive::new(frames).collect().await;
         assert_eq!(all, vec![Ok(Bytes::from_static(b"a")), Ok(Bytes::from_static(b"b"))]);
     }
 }

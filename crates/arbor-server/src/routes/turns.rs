@@ -198,8 +198,8 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
         message: outcome.reply.as_ref().map(views::leaf),
     };
     // Arbor's own share of the turn's time, and of that the wait for its
-    // durable writes, for callers measuring overhead.
-    // (Names made once, not parsed per response; values written as numbers.)
+    // durable writes, for callers measuring overhead (static names, values
+    // written from integers: nothing parsed or formatted per response).
     let micros = |time: std::time::Duration| HeaderValue::from(u64::try_from(time.as_micros()).unwrap_or(u64::MAX));
     let overhead = [
         (HeaderName::from_static("x-arbor-overhead-us"), micros(outcome.overhead)),
