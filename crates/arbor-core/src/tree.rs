@@ -46,7 +46,9 @@ impl Tree {
 
     /// Adds a node (a new leaf) to the index. A node whose id is already
     /// there takes its place in the index (the store never writes one).
-    pub fn push(&mut self, node: Node) {
+    /// A node already shared (`Arc`) joins the tree without a copy.
+    pub fn push(&mut self, node: impl Into<Arc<Node>>) {
+        let node = node.into();
         let Tree { nodes, by_id, hasher, bytes } = self;
         let position = nodes.len();
         let hash = hasher.hash_one(node.id.as_str());
@@ -59,7 +61,7 @@ impl Tree {
             }
         }
         *bytes += node.size_in_memory() + NODE_OVERHEAD;
-        nodes.push(Arc::new(node));
+        nodes.push(node);
     }
 
     /// About how many bytes the tree's messages hold in memory, summed as
@@ -202,6 +204,15 @@ mod tests {
         tree.push(long);
         assert!(tree.size_in_memory() > 100_000);
         assert_eq!(tree.clone().size_in_memory(), tree.size_in_memory());
+    }
+
+    #[test]
+    fn a_shared_node_joins_the_tree_without_a_copy() {
+        let mut tree = Tree::new(vec![node("a", None)]);
+        let reply = Arc::new(node("b", Some("a")));
+        tree.push(reply.clone());
+        assert!(std::ptr::eq(tree.get("b").expect("b is in the tree"), &*reply));
+        assert_eq!(tree.path_to("b").len(), 2);
     }
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {

@@ -3,6 +3,7 @@
 //! recent ones for viewers that reconnect, and holds the turn slot (one
 //! running turn per conversation).
 
+use std::borrow::Borrow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -59,7 +60,9 @@ pub(crate) struct QueuedTurn {
     pub turn: Turn,
     /// Messages to record when the turn starts (a queued message is recorded
     /// under the head as it is then, so it follows the reply it waited for).
-    pub nodes: Vec<Node>,
+    /// Shared: the store and the conversation's tree take them without a
+    /// copy.
+    pub nodes: Vec<Arc<Node>>,
     /// Whether messages sent with `queue: "merge"` may join this turn.
     pub merge: bool,
     /// Whether the client placed the messages itself (a view or a
@@ -265,9 +268,14 @@ impl Hub {
     /// else writes without a bump), so its first write makes the copy
     /// without reading the store: a new conversation's first turn builds
     /// its context from memory.
-    pub(crate) fn advance_tree(&self, from_version: i64, to_version: i64, nodes: &[Node]) {
+    pub(crate) fn advance_tree<N: Borrow<Node> + Clone + Into<Arc<Node>>>(
+        &self,
+        from_version: i64,
+        to_version: i64,
+        nodes: &[N],
+    ) {
         let one_step = to_version == from_version + 1;
-        self.advance_known(from_version, to_version, nodes.last());
+        self.advance_known(from_version, to_version, nodes.last().map(N::borrow));
         let mut cache = self.tree.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         // Taken out, so the copy grows in place when nobody else holds it.
         let base = known_tree(cache.take().as_ref(), from_version);
@@ -412,10 +420,10 @@ impl Hub {
                 for node in turn.nodes.drain(..) {
                     // A resent message id is not added twice.
                     if last.nodes.iter().all(|known| known.id != node.id) {
-                        last.nodes.push(Node { turn_id: Some(last.turn.id.clone()), ..node });
+                        last.nodes.push(Arc::new(Node { turn_id: Some(last.turn.id.clone()), ..Node::clone(&node) }));
                     }
                 }
-                last.turn.pending_messages = last.nodes.clone();
+                last.turn.pending_messages = unshared(&last.nodes);
                 let merged = last.turn.clone();
                 let outcome = last.outcome.subscribe();
                 let receiver = state.viewer();
@@ -425,7 +433,7 @@ impl Hub {
             }
             QueueMode::Fifo | QueueMode::Merge => {
                 // Stored with the turn's row: durable until the turn starts.
-                turn.turn.pending_messages = turn.nodes.clone();
+                turn.turn.pending_messages = unshared(&turn.nodes);
                 let queued_turn = turn.turn.clone();
                 turn.waited = true;
                 state.queue.push_back(turn);
@@ -600,6 +608,12 @@ impl Hub {
 }
 
 /// The recent events' buffer and their payloads, in bytes.
+/// Copies of shared nodes, for a turn row's pending messages (stored with
+/// a queued turn until it starts).
+pub(crate) fn unshared(nodes: &[Arc<Node>]) -> Vec<Node> {
+    nodes.iter().map(|node| Node::clone(node)).collect()
+}
+
 fn recent_size(state: &HubState) -> usize {
     let payloads: usize = state.recent.iter().map(|event| event.data.len()).sum();
     state.recent.capacity() * size_of::<Event>() + payloads

@@ -113,7 +113,7 @@ pub struct TurnHandle {
     pub turn: Turn,
     /// The message the turn answers, when this submit recorded it now (not
     /// for a queued or merged submit, whose messages are recorded at start).
-    pub user_message: Option<Node>,
+    pub user_message: Option<Arc<Node>>,
     events: stream::PendingEvents,
     outcome: turn::OutcomeReceiver,
 }
@@ -1106,7 +1106,7 @@ mod tests {
 
         // A head moved back to an older message (no new one), a jump of
         // two versions, an explicit forget: each drops it.
-        hub.advance_tree(2, 3, &[]);
+        hub.advance_tree::<Node>(2, 3, &[]);
         assert!(hub.known_conversation().0.is_none());
         let (_, changes) = hub.known_conversation();
         hub.remember_conversation(Conversation { head_version: 3, ..kept.clone() }, changes);

@@ -84,7 +84,7 @@ impl Submitted {
 struct Prepared {
     turn: Turn,
     /// The messages recorded with it.
-    nodes: Vec<Node>,
+    nodes: Vec<Arc<Node>>,
     /// The conversation's head version after them.
     head_version: i64,
     /// What is held for its first call.
@@ -407,7 +407,7 @@ impl Inner {
                     other => other.into(),
                 }
             })?;
-        hub.advance_tree(conversation.head_version, head_version, &[]);
+        hub.advance_tree::<Node>(conversation.head_version, head_version, &[]);
         hub.emit(
             None,
             EventName::HeadMoved,
@@ -449,8 +449,8 @@ impl Inner {
         let (outcome_sender, outcome) = watch::channel(None);
         let now = now_millis();
         let reply_parent = nodes.last().map(|node| node.id.clone()).or(reply_parent).unwrap_or_default();
-        let nodes: Vec<Node> =
-            nodes.into_iter().map(|node| Node { turn_id: Some(turn_id.to_string()), ..node }).collect();
+        let nodes: Vec<Arc<Node>> =
+            nodes.into_iter().map(|node| Arc::new(Node { turn_id: Some(turn_id.to_string()), ..node })).collect();
         // Marked queued until it holds the slot and starts.
         let turn = Turn {
             id: turn_id.to_string(),
@@ -502,7 +502,7 @@ impl Inner {
                     if matches!(error, EngineError::TurnRunning { .. }) && queue != QueueMode::Refuse {
                         let mut waiting = queued.turn.clone();
                         waiting.status = TurnStatus::Queued;
-                        waiting.pending_messages = queued.nodes.clone();
+                        waiting.pending_messages = crate::hub::unshared(&queued.nodes);
                         self.store.insert_turn(&waiting).await?;
                         hub.requeue_front(*queued);
                         hub.emit(Some(&turn_id), EventName::TurnQueued, &json!({"turn_id": &*turn_id, "position": 1}));
@@ -662,7 +662,7 @@ impl Inner {
         conversation: &Conversation,
         queued: &QueuedTurn,
         turn: &Turn,
-        nodes: &[Node],
+        nodes: &[Arc<Node>],
     ) -> EngineResult<arbor_store::Reservation> {
         let tree = self.tree(hub, &conversation.id, conversation.head_version).await?;
         // New messages hang under their first one's parent; a regenerated
@@ -672,7 +672,7 @@ impl Inner {
             None => Some(turn.user_message_id.as_str()),
         };
         let path = anchor.map(|anchor| tree.path_to(anchor)).unwrap_or_default();
-        let messages = path.into_iter().chain(nodes).map(|node| &node.message);
+        let messages = path.into_iter().chain(nodes.iter().map(|node| &**node)).map(|node| &node.message);
         Ok(reservation_for(self, &queued.user.id, &queued.model, conversation.system_prompt.as_deref(), messages))
     }
 
@@ -774,7 +774,7 @@ impl Inner {
             .conversation(owner_id, &hub.conversation_id)
             .await?
             .ok_or(EngineError::NotFound("conversation"))?;
-        let nodes = chain(&queued, &conversation);
+        let nodes = crate::hub::unshared(&chain(&queued, &conversation));
         let turn_id: Arc<str> = Arc::from(queued.turn.id.as_str());
         self.record(hub, &conversation, &nodes, Some(&turn_id)).await?;
         let mut turn = queued.turn.clone();
@@ -815,7 +815,7 @@ fn check_quota(available: Option<i64>) -> EngineResult<bool> {
 
 /// The queued turn's messages, hung under the head as it is now unless the
 /// client placed them itself.
-fn chain(queued: &QueuedTurn, conversation: &Conversation) -> Vec<Node> {
+fn chain(queued: &QueuedTurn, conversation: &Conversation) -> Vec<Arc<Node>> {
     if queued.anchored || !queued.waited {
         return queued.nodes.clone();
     }
@@ -824,9 +824,9 @@ fn chain(queued: &QueuedTurn, conversation: &Conversation) -> Vec<Node> {
         .nodes
         .iter()
         .map(|node| {
-            let chained = Node { parent_id: parent.clone(), ..node.clone() };
+            let chained = Node { parent_id: parent.clone(), ..Node::clone(node) };
             parent = Some(node.id.clone());
-            chained
+            Arc::new(chained)
         })
         .collect()
 }

@@ -92,8 +92,9 @@ pub(crate) fn reservation_for<'a>(
 #[derive(Debug, Clone)]
 pub struct TurnOutcome {
     pub turn: Turn,
-    /// The assistant message it produced (possibly interrupted).
-    pub reply: Option<Node>,
+    /// The assistant message it produced (possibly interrupted), as the
+    /// conversation's tree holds it.
+    pub reply: Option<Arc<Node>>,
     /// The conversation's head version after the turn.
     pub head_version: i64,
     /// Time the turn spent outside provider calls: what Arbor added.
@@ -253,7 +254,7 @@ impl TurnTask {
                 tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
             }
         }
-        let next = self.finish_events(reply.as_ref());
+        let next = self.finish_events(reply.as_deref());
         tracing::info!(
             turn_id = %self.turn_id,
             status = self.turn.status.as_str(),
@@ -336,7 +337,7 @@ impl TurnTask {
     }
 
     /// Runs the model call and records it. Returns the assistant message.
-    async fn drive(&mut self) -> Result<Option<Node>, arbor_store::StoreError> {
+    async fn drive(&mut self) -> Result<Option<Arc<Node>>, arbor_store::StoreError> {
         let tree = self.inner.tree(&self.hub, &self.conversation.id, self.conversation.head_version).await?;
         let path: Vec<Message> = tree
             .path_to(&self.turn.user_message_id)
@@ -398,17 +399,19 @@ impl TurnTask {
         let has_output = !result.collected.text.is_empty()
             || !result.collected.tool_calls.is_empty()
             || !result.collected.parts.is_empty();
-        let reply = (result.failure.is_none() || has_output).then(|| Node {
-            id: new_id(),
-            conversation_id: self.conversation.id.clone(),
-            parent_id: Some(parent_id),
-            message: result.collected.message(),
-            model: Some(self.model.info.id.clone()),
-            provider: Some(self.model.info.provider.clone()),
-            turn_id: Some(self.turn.id.clone()),
-            copied_from: None,
-            status: if result.failure.is_none() { NodeStatus::Complete } else { NodeStatus::Interrupted },
-            created_at: now_millis(),
+        let reply = (result.failure.is_none() || has_output).then(|| {
+            Arc::new(Node {
+                id: new_id(),
+                conversation_id: self.conversation.id.clone(),
+                parent_id: Some(parent_id),
+                message: result.collected.message(),
+                model: Some(self.model.info.id.clone()),
+                provider: Some(self.model.info.provider.clone()),
+                turn_id: Some(self.turn.id.clone()),
+                copied_from: None,
+                status: if result.failure.is_none() { NodeStatus::Complete } else { NodeStatus::Interrupted },
+                created_at: now_millis(),
+            })
         });
 
         let (status, error_code) = match &result.failure {

@@ -8,7 +8,7 @@
 //! `i64`, `bool`), so one decoder per record serves both and the two stores
 //! cannot drift apart in how, say, a tool call is parsed back.
 
-use std::borrow::Cow;
+use std::borrow::{Borrow, Cow};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -341,11 +341,11 @@ decoders! {
 /// The conversation a batch of nodes belongs to and the id of its last node
 /// (the new head). A batch spans one conversation: the head it moves is that
 /// conversation's.
-pub(crate) fn batch_target(nodes: &[Node]) -> StoreResult<(&str, &str)> {
-    let (Some(first), Some(last)) = (nodes.first(), nodes.last()) else {
+pub(crate) fn batch_target<N: Borrow<Node>>(nodes: &[N]) -> StoreResult<(&str, &str)> {
+    let (Some(first), Some(last)) = (nodes.first().map(N::borrow), nodes.last().map(N::borrow)) else {
         return Err(StoreError::Database("append_messages was given no nodes".into()));
     };
-    if nodes.iter().any(|node| node.conversation_id != first.conversation_id) {
+    if nodes.iter().any(|node| node.borrow().conversation_id != first.conversation_id) {
         return Err(StoreError::Database("append_messages was given nodes of several conversations".into()));
     }
     Ok((&first.conversation_id, &last.id))

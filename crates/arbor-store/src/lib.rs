@@ -19,6 +19,8 @@ pub mod records;
 pub mod sqlite;
 pub mod testing;
 
+use std::sync::Arc;
+
 use arbor_core::ids::Millis;
 use arbor_core::{Event, Node};
 use async_trait::async_trait;
@@ -171,11 +173,13 @@ pub trait Store: Send + Sync + 'static {
     /// `lease` (`(owner, expires_at)`, as [`Store::renew_lease`] takes it),
     /// the turn is written holding it: a node that dies right after the
     /// start leaves a turn the others can take over, not one without a
-    /// lease, which none would.
+    /// lease, which none would. The nodes are shared (`Arc`): the caller
+    /// keeps them for the conversation's tree, and a store that writes on
+    /// another thread takes them there without a copy.
     async fn start_turn(
         &self,
         turn: &Turn,
-        nodes: &[Node],
+        nodes: &[Arc<Node>],
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
@@ -207,7 +211,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         turn: &Turn,
         call: &ApiCall,
-        reply: Option<&Node>,
+        reply: Option<&Arc<Node>>,
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)>;

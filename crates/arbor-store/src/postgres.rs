@@ -8,6 +8,7 @@
 //! statement (`UNNEST` of arrays) and a conversation's tree loads in one
 //! ordered query, so no request costs a round trip per row.
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -251,7 +252,7 @@ const NODE_UPSERT: &str = concat!(
     node_upsert_conflict!()
 );
 
-async fn insert_nodes(tx: &mut Transaction<'static, Postgres>, nodes: &[Node]) -> StoreResult<()> {
+async fn insert_nodes<N: Borrow<Node>>(tx: &mut Transaction<'static, Postgres>, nodes: &[N]) -> StoreResult<()> {
     NodeArrays::new(nodes)?.bind(sqlx::query(NODES_INSERT)).execute(&mut **tx).await?;
     Ok(())
 }
@@ -259,7 +260,11 @@ async fn insert_nodes(tx: &mut Transaction<'static, Postgres>, nodes: &[Node]) -
 /// Inserts a batch of one conversation's nodes and moves its head to the
 /// last of them, inside the caller's transaction; returns the new head
 /// version.
-async fn append_on(tx: &mut Transaction<'static, Postgres>, nodes: &[Node], updated_at: Millis) -> StoreResult<i64> {
+async fn append_on<N: Borrow<Node> + Sync>(
+    tx: &mut Transaction<'static, Postgres>,
+    nodes: &[N],
+    updated_at: Millis,
+) -> StoreResult<i64> {
     let (conversation_id, last_id) = codec::batch_target(nodes)?;
     insert_nodes(tx, nodes).await?;
     let version: Option<i64> = sqlx::query_scalar(
@@ -296,7 +301,7 @@ struct NodeArrays<'a> {
 }
 
 impl<'a> NodeArrays<'a> {
-    fn new(nodes: &'a [Node]) -> StoreResult<Self> {
+    fn new<N: Borrow<Node>>(nodes: &'a [N]) -> StoreResult<Self> {
         let mut arrays = NodeArrays {
             conversation_ids: Vec::with_capacity(nodes.len()),
             ids: Vec::with_capacity(nodes.len()),
@@ -315,7 +320,7 @@ impl<'a> NodeArrays<'a> {
             statuses: Vec::with_capacity(nodes.len()),
             created_ats: Vec::with_capacity(nodes.len()),
         };
-        for node in nodes {
+        for node in nodes.iter().map(N::borrow) {
             let columns = NodeColumns::new(node)?;
             arrays.conversation_ids.push(node.conversation_id.as_str());
             arrays.ids.push(node.id.as_str());
@@ -683,7 +688,7 @@ fn notice_payload(notice: &Notice) -> StoreResult<String> {
 async fn start_usual<'e, E>(
     executor: E,
     turn: &Turn,
-    nodes: &[Node],
+    nodes: &[Arc<Node>],
     updated_at: Millis,
     lease: Option<(&str, Millis)>,
 ) -> StoreResult<i64>
@@ -1113,7 +1118,7 @@ impl Store for PostgresStore {
     async fn start_turn(
         &self,
         turn: &Turn,
-        nodes: &[Node],
+        nodes: &[Arc<Node>],
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
@@ -1205,7 +1210,7 @@ impl Store for PostgresStore {
         &self,
         turn: &Turn,
         call: &ApiCall,
-        reply: Option<&Node>,
+        reply: Option<&Arc<Node>>,
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {

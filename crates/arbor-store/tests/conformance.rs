@@ -1350,7 +1350,7 @@ async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
     running.status = TurnStatus::Succeeded;
     running.reply_message_id = Some("a1".into());
     running.finished_at = Some(50);
-    let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let reply = Arc::new(node("c1", "a1", Some("u1"), Message::assistant("hello")));
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
     let mut listener = store.listen().await.expect("listen");
     let (entry, head_version) = store
@@ -1392,7 +1392,7 @@ async fn story_finish_turn_of_an_unlimited_user(store: Arc<dyn Store>) {
     running.status = TurnStatus::Succeeded;
     running.reply_message_id = Some("a1".into());
     running.finished_at = Some(50);
-    let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let reply = Arc::new(node("c1", "a1", Some("u1"), Message::assistant("hello")));
     let (entry, head_version) = store
         .finish_turn(&running, &call("k1", "alice", "c1", "t1", 250), Some(&reply), None, 60)
         .await
@@ -1430,7 +1430,7 @@ async fn story_finish_turn_of_a_missing_turn_keeps_nothing(store: Arc<dyn Store>
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1");
     let mut ghost = turn("c1", "t9", TurnStatus::Succeeded, 30);
     ghost.reply_message_id = Some("a1".into());
-    let reply = node("c1", "a1", Some("u1"), Message::assistant("hello"));
+    let reply = Arc::new(node("c1", "a1", Some("u1"), Message::assistant("hello")));
     let mut listener = store.listen().await.expect("listen");
     let finished = store.finish_turn(&ghost, &call("k1", "alice", "c1", "t9", 250), Some(&reply), Some("r1"), 60).await;
     assert!(matches!(finished, Err(StoreError::NotFound)), "{finished:?}");
@@ -1454,7 +1454,14 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
     let first = turn("c1", "t1", TurnStatus::Running, 30);
     let started = store
-        .start_turn(&first, &[node("c1", "u1", None, Message::user("hi"))], false, 40, None, Some(("node-a", 500)))
+        .start_turn(
+            &first,
+            &[node("c1", "u1", None, Message::user("hi")).into()],
+            false,
+            40,
+            None,
+            Some(("node-a", 500)),
+        )
         .await
         .expect("started");
     assert_eq!(started, TurnStarted { head_version: before + 1, reserved: None });
@@ -1467,8 +1474,9 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
 
     // A second running turn: refused, and its message is not written.
     let second = turn("c1", "t2", TurnStatus::Running, 50);
-    let refused =
-        store.start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no"))], false, 60, None, None).await;
+    let refused = store
+        .start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no")).into()], false, 60, None, None)
+        .await;
     assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
     assert!(store.message("c1", "u2").await.expect("read").is_none());
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
@@ -1477,8 +1485,9 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     let mut done = first.clone();
     done.status = TurnStatus::Succeeded;
     store.update_turn(&done).await.expect("finished");
-    let reused =
-        store.start_turn(&second, &[node("c1", "u1", None, Message::user("again"))], false, 70, None, None).await;
+    let reused = store
+        .start_turn(&second, &[node("c1", "u1", None, Message::user("again")).into()], false, 70, None, None)
+        .await;
     assert!(matches!(reused, Err(StoreError::Conflict(_))), "{reused:?}");
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
 
@@ -1494,8 +1503,9 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
 
     // A conversation that is gone: nothing is written.
     let lost = turn("c404", "t4", TurnStatus::Running, 100);
-    let gone =
-        store.start_turn(&lost, &[node("c404", "u4", None, Message::user("anyone?"))], false, 110, None, None).await;
+    let gone = store
+        .start_turn(&lost, &[node("c404", "u4", None, Message::user("anyone?")).into()], false, 110, None, None)
+        .await;
     assert!(matches!(gone, Err(StoreError::NotFound)), "{gone:?}");
     assert!(store.turn("c404", "t4").await.expect("read").is_none());
 }
@@ -1509,7 +1519,7 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
     let started = store
         .start_turn(
             &first,
-            &[node("c1", "u1", None, Message::user("hi"))],
+            &[node("c1", "u1", None, Message::user("hi")).into()],
             false,
             40,
             Some(&reservation("r1", "alice", 600, 10_000)),
@@ -1533,7 +1543,7 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
     let started = store
         .start_turn(
             &second,
-            &[node("c1", "u2", Some("u1"), Message::user("more"))],
+            &[node("c1", "u2", Some("u1"), Message::user("more")).into()],
             false,
             70,
             Some(&reservation("r2", "alice", 901, 10_000)),
@@ -1552,7 +1562,7 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
     let refused = store
         .start_turn(
             &third,
-            &[node("c1", "u3", Some("u2"), Message::user("no"))],
+            &[node("c1", "u3", Some("u2"), Message::user("no")).into()],
             false,
             90,
             Some(&reservation("r3", "alice", 10, 10_000)),

@@ -195,7 +195,7 @@ fn outcome_response(outcome: &TurnOutcome) -> Response {
     let body = Body {
         head_version: outcome.head_version,
         turn: views::turn(&outcome.turn),
-        message: outcome.reply.as_ref().map(views::leaf),
+        message: outcome.reply.as_deref().map(views::leaf),
     };
     // Arbor's own share of the turn's time, and of that the wait for its
     // durable writes, for callers measuring overhead (static names, values

@@ -1231,7 +1231,7 @@ impl Store for SqliteStore {
     async fn start_turn(
         &self,
         turn: &Turn,
-        nodes: &[Node],
+        nodes: &[Arc<Node>],
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
@@ -1308,7 +1308,7 @@ impl Store for SqliteStore {
         &self,
         turn: &Turn,
         call: &ApiCall,
-        reply: Option<&Node>,
+        reply: Option<&Arc<Node>>,
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {
@@ -1320,7 +1320,7 @@ impl Store for SqliteStore {
                 if let Some(reservation_id) = &reservation_id {
                     release(connection, reservation_id)?;
                 }
-                let entry = charge_call(connection, &call, reply.as_ref())?;
+                let entry = charge_call(connection, &call, reply.as_deref())?;
                 let head_version = match &reply {
                     Some(node) => Some(advance_head(connection, &node.conversation_id, Some(&node.id), updated_at)?),
                     None => None,
