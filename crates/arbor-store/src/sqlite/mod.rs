@@ -304,7 +304,7 @@ impl SqliteStore {
     async fn write<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         self.writer.write(body).await
     }
@@ -313,7 +313,7 @@ impl SqliteStore {
     async fn read<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         match &self.reader {
             Some(reader) => reader.run(body).await,
@@ -327,7 +327,7 @@ impl SqliteStore {
     async fn read_point<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         let body = match &self.point {
             Some(point) => match point.try_run(body) {
@@ -928,7 +928,7 @@ impl Store for SqliteStore {
     async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
         let name = name.to_string();
         self.read_point(move |connection| {
-            query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE name = ?"), [name], |row| {
+            query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE name = ?"), [&name], |row| {
                 codec::user_from_row(row)
             })
         })
@@ -938,7 +938,7 @@ impl Store for SqliteStore {
     async fn user(&self, user_id: &str) -> StoreResult<Option<User>> {
         let user_id = user_id.to_string();
         self.read_point(move |connection| {
-            query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE id = ?"), [user_id], |row| {
+            query_one(connection, concat!("SELECT ", user_columns!(), " FROM users WHERE id = ?"), [&user_id], |row| {
                 codec::user_from_row(row)
             })
         })
@@ -972,7 +972,7 @@ impl Store for SqliteStore {
                 "SELECT users.id, users.name, users.is_admin, users.balance_credits, \
                  users.created_at FROM api_keys JOIN users ON users.id = api_keys.user_id \
                  WHERE api_keys.key_hash = ? AND api_keys.revoked_at IS NULL",
-                [key_hash],
+                [&key_hash],
                 |row| codec::user_from_row(row),
             )
         })
@@ -1012,7 +1012,7 @@ impl Store for SqliteStore {
             query_one(
                 connection,
                 concat!("SELECT ", conversation_columns!(), " FROM conversations WHERE owner_id = ? AND id = ?"),
-                [owner_id, conversation_id],
+                [&owner_id, &conversation_id],
                 |row| codec::conversation_from_row(row),
             )
         })
@@ -1036,7 +1036,7 @@ impl Store for SqliteStore {
                     ", (SELECT balance_credits - reserved_credits FROM users WHERE users.id = ?1) \
                      AS available_credits FROM conversations WHERE owner_id = ?1 AND id = ?2"
                 ),
-                [owner_id, conversation_id],
+                [&owner_id, &conversation_id],
                 |row| {
                     Ok((
                         codec::conversation_from_row(row)?,
@@ -1058,7 +1058,7 @@ impl Store for SqliteStore {
         let cursor = cursor.cloned();
         // Keyset pagination on the (owner_id, created_at DESC, id DESC)
         // index: a page costs the same however deep it is.
-        self.read(move |connection| match cursor {
+        self.read(move |connection| match &cursor {
             None => query_all(
                 connection,
                 concat!(
@@ -1116,7 +1116,7 @@ impl Store for SqliteStore {
             changed_one(
                 connection
                     .cached("DELETE FROM conversations WHERE owner_id = ? AND id = ?")?
-                    .execute([owner_id, conversation_id])?,
+                    .execute([&owner_id, &conversation_id])?,
             )
         })
         .await
@@ -1169,7 +1169,7 @@ impl Store for SqliteStore {
             query_all(
                 connection,
                 concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? ORDER BY seq"),
-                [conversation_id],
+                [&conversation_id],
                 |row| codec::node_from_row(row),
             )
         })
@@ -1182,7 +1182,7 @@ impl Store for SqliteStore {
             query_one(
                 connection,
                 concat!("SELECT ", node_columns!(), " FROM messages WHERE conversation_id = ? AND id = ?"),
-                [conversation_id, message_id],
+                [&conversation_id, &message_id],
                 |row| codec::node_from_row(row),
             )
         })
@@ -1260,7 +1260,7 @@ impl Store for SqliteStore {
                 }
                 advance_head(connection, conversation_id, Some(last_id), updated_at)?
             };
-            let reserved = reservation.map(|reservation| reserve(connection, &reservation)).transpose()?;
+            let reserved = reservation.as_ref().map(|reservation| reserve(connection, reservation)).transpose()?;
             Ok(TurnStarted { head_version, reserved })
         })
         .await
@@ -1272,7 +1272,7 @@ impl Store for SqliteStore {
             query_one(
                 connection,
                 concat!("SELECT ", turn_columns!(), " FROM turns WHERE conversation_id = ? AND id = ?"),
-                [conversation_id, turn_id],
+                [&conversation_id, &turn_id],
                 |row| codec::turn_from_row(row),
             )
         })
@@ -1296,7 +1296,7 @@ impl Store for SqliteStore {
                 " FROM turns WHERE status IN (SELECT value FROM json_each(?)) ORDER BY created_at, id"
             )
         };
-        self.read(move |connection| query_all(connection, sql, [names], |row| codec::turn_from_row(row))).await
+        self.read(move |connection| query_all(connection, sql, [&names], |row| codec::turn_from_row(row))).await
     }
 
     async fn record_call(&self, call: &ApiCall, message: Option<&Node>) -> StoreResult<LedgerEntry> {
@@ -1339,7 +1339,7 @@ impl Store for SqliteStore {
             query_all(
                 connection,
                 concat!("SELECT ", api_call_columns!(), " FROM api_calls WHERE turn_id = ? ORDER BY created_at, id"),
-                [turn_id],
+                [&turn_id],
                 |row| codec::api_call_from_row(row),
             )
         })
@@ -1431,7 +1431,7 @@ impl Store for SqliteStore {
     async fn last_event_seq(&self, conversation_id: &str) -> StoreResult<i64> {
         let conversation_id = conversation_id.to_string();
         self.read_point(move |connection| {
-            Ok(connection.cached(EVENT_LAST)?.query_row([conversation_id], |row| row.get(0))?)
+            Ok(connection.cached(EVENT_LAST)?.query_row([&conversation_id], |row| row.get(0))?)
         })
         .await
     }
@@ -1528,7 +1528,7 @@ impl Store for SqliteStore {
         self.read_point(move |connection| {
             let row: Option<(Option<String>, Option<i64>)> = connection
                 .cached("SELECT lease_owner, lease_expires_at FROM turns WHERE id = ?")?
-                .query_row([turn_id], |row| Ok((row.get(0)?, row.get(1)?)))
+                .query_row([&turn_id], |row| Ok((row.get(0)?, row.get(1)?)))
                 .optional()?;
             Ok(match row {
                 Some((Some(owner), Some(expires_at))) => Some((owner, expires_at)),

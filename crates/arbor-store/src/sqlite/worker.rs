@@ -13,10 +13,14 @@
 //! thousand small transactions a second the writer spent its time in the
 //! kernel writing the same hot pages (the newest rows of each table, the
 //! user's balance) again and again. The writer thread takes every write
-//! waiting when it is free, runs them in one transaction (each after the
-//! first in a savepoint) and commits once: a write that fails is rolled back
-//! alone, and no write is answered before the commit that holds it is
-//! durable.
+//! waiting when it is free, runs them in one transaction and commits once:
+//! a write that fails is rolled back alone, and no write is answered before
+//! the commit that holds it is durable. The writes run without savepoints
+//! (a savepoint copies every page it changes into the statement journal
+//! first); when one fails, the transaction is rolled back, that write is
+//! answered with its error, and the others run again, each in a savepoint
+//! ([`commit_group`]). So a write's body may run more than once (it is
+//! `FnMut`), and is answered with what its last run returned.
 //! When writes arrive one at a time, each is its own group. When they pile
 //! up (a commit held [`GATHER_FROM`] or more someone waited on), the next
 //! durable commit waits up to [`GATHER`] after the last one for more to
@@ -213,13 +217,46 @@ impl Drop for Borrowed<'_> {
 
 /// What a write that succeeded waits for: the outcome of the commit that
 /// holds it (`Err` with the reason when that commit failed).
-type Committed = Box<dyn FnOnce(Result<(), String>) + Send>;
+/// A write waiting in a group: run inside the group's transaction (again
+/// when another write of the group failed), then answered once.
+trait Write: Send {
+    /// Runs the write, keeping what it returned; `false` when it failed.
+    fn run(&mut self, connection: &Session<'_, '_>) -> bool;
+    /// Answers the caller: its last run's error, if it failed; else its
+    /// value when `committed`, or the reason the commit did not happen.
+    fn answer(self: Box<Self>, committed: Result<(), &str>);
+}
 
-/// A write. Given the connection inside the group's transaction, it runs
-/// and returns what to do once committed, or `None` when it failed (it has
-/// answered its caller then, and its changes are rolled back). Given an
-/// error (the group's transaction could not begin), it answers with it.
-type WriteBody = Box<dyn FnOnce(Result<&Session<'_, '_>, &str>) -> Option<Committed> + Send>;
+type WriteBody = Box<dyn Write>;
+
+struct Pending<T, F> {
+    body: F,
+    outcome: Option<StoreResult<T>>,
+    reply: oneshot::Sender<StoreResult<T>>,
+}
+
+impl<T, F> Write for Pending<T, F>
+where
+    T: Send,
+    F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send,
+{
+    fn run(&mut self, connection: &Session<'_, '_>) -> bool {
+        let outcome = (self.body)(connection);
+        let ran = outcome.is_ok();
+        self.outcome = Some(outcome);
+        ran
+    }
+
+    fn answer(self: Box<Self>, committed: Result<(), &str>) {
+        let answer = match (self.outcome, committed) {
+            (Some(Err(error)), _) => Err(error),
+            (_, Err(reason)) => Err(StoreError::Database(reason.to_string())),
+            (Some(Ok(value)), Ok(())) => Ok(value),
+            (None, Ok(())) => Err(no_answer()),
+        };
+        let _ = self.reply.send(answer);
+    }
+}
 
 struct WriteJob {
     body: WriteBody,
@@ -410,7 +447,7 @@ impl Writer {
                     }
                 }
                 let waited = group.waited;
-                commit_group(&session, group.drain());
+                commit_group(&session, group.take_all());
                 let now = Instant::now();
                 lingering = Some(now + DEFERRED_WAIT);
                 if sync {
@@ -436,11 +473,13 @@ impl Writer {
 
     /// Runs `body` in a write transaction (committed with whatever other
     /// writes were waiting) and returns its result once that transaction
-    /// is committed. When `body` fails, nothing it did is kept.
+    /// is committed. When `body` fails, nothing it did is kept. `body` may
+    /// run more than once (when another write of its group fails); only its
+    /// last run is kept.
     pub async fn write<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         self.submit(body, false).await
     }
@@ -450,7 +489,7 @@ impl Writer {
     pub async fn write_deferred<T, F>(&self, body: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         self.submit(body, true).await
     }
@@ -458,24 +497,10 @@ impl Writer {
     async fn submit<T, F>(&self, body: F, deferred: bool) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Session<'_, '_>) -> StoreResult<T> + Send + 'static,
     {
         let (reply, result) = oneshot::channel::<StoreResult<T>>();
-        let body = Box::new(move |connection: Result<&Session<'_, '_>, &str>| {
-            let outcome = match connection {
-                Ok(connection) => body(connection),
-                Err(reason) => Err(StoreError::Database(reason.to_string())),
-            };
-            match outcome {
-                Ok(value) => Some(Box::new(move |committed: Result<(), String>| {
-                    let _ = reply.send(committed.map(|()| value).map_err(StoreError::Database));
-                }) as Committed),
-                Err(error) => {
-                    let _ = reply.send(Err(error));
-                    None
-                }
-            }
-        });
+        let body: WriteBody = Box::new(Pending { body, outcome: None, reply });
         if deferred {
             self.jobs.send_quiet(WriteJob { body, due: Some(Instant::now() + DEFERRED_WAIT) });
         } else {
@@ -506,13 +531,14 @@ struct Group {
 
 impl Group {
     /// Adds a write: a deferred one at the end, one someone waits on after
-    /// the others waited on. The first write opens the transaction and the
-    /// rest run in savepoints, which copy every page they change that was
-    /// already in the database; a turn's write (its messages, turn, head,
-    /// charge: ~10 pages) is then the one that opens, and a batch of events
-    /// (2-3 pages) the one that pays. Writes in a group are independent (a
+    /// the others waited on. Should one of them fail, the rest run again in
+    /// savepoints, where the first write opens the transaction without one;
+    /// a turn's write (its messages, turn, head, charge: ~10 pages) is then
+    /// the one that opens, and a batch of events (2-3 pages) one that pays
+    /// for a savepoint's copies. Writes in a group are independent (a
     /// caller's next write comes after its last was answered), so their
-    /// order in the transaction changes nothing they see.
+    /// order in the transaction, and running them again, changes nothing
+    /// they see.
     fn take(&mut self, job: WriteJob) {
         if let Some(due) = job.due {
             self.due = Some(self.due.map_or(due, |earlier| earlier.min(due)));
@@ -528,9 +554,9 @@ impl Group {
         self.waited > 0 || self.bodies.len() >= MAX_GROUP || self.due.is_some_and(|due| Instant::now() >= due)
     }
 
-    fn drain(&mut self) -> std::vec::Drain<'_, WriteBody> {
+    fn take_all(&mut self) -> Vec<WriteBody> {
         (self.waited, self.due) = (0, None);
-        self.bodies.drain(..)
+        std::mem::take(&mut self.bodies)
     }
 }
 
@@ -565,63 +591,121 @@ fn restart_now(pages: c_int, limit: c_int, passed_limit: &mut Option<u32>, passe
     restart
 }
 
-/// Runs a group of writes in one transaction (each that joins it in a
-/// savepoint), commits, and tells the writes that succeeded how the commit
-/// went.
-fn commit_group(connection: &Session<'_, '_>, group: impl ExactSizeIterator<Item = WriteBody>) {
-    let mut waiting: Vec<Committed> = Vec::with_capacity(group.len());
-    for job in group {
+/// Runs a group of writes in one transaction, commits, and answers them.
+///
+/// The writes run one after another without savepoints, which is what a
+/// group without a failing write needs. When one fails (or takes the whole
+/// transaction down with it, as a full disk does), the transaction is rolled
+/// back, that write is answered with its error, and the others run again
+/// in [`commit_in_savepoints`], where each can fail alone.
+fn commit_group(connection: &Session<'_, '_>, mut group: Vec<WriteBody>) {
+    if let Err(error) = execute(connection, "BEGIN IMMEDIATE") {
+        let reason = format!("cannot begin a write: {error}");
+        group.into_iter().for_each(|write| write.answer(Err(&reason)));
+        return;
+    }
+    let stopped = group.iter_mut().enumerate().find_map(|(index, write)| match run(connection, write) {
+        Ran::Ok => None,
+        ran => Some((index, ran)),
+    });
+    let Some((index, ran)) = stopped else {
+        match execute(connection, "COMMIT") {
+            Ok(()) => group.into_iter().for_each(|write| write.answer(Ok(()))),
+            Err(error) => abandon(connection, &mut group, &format!("the commit failed: {error}")),
+        }
+        return;
+    };
+    // Undone whole: the writes before it run again, as do those after it.
+    let _ = execute(connection, "ROLLBACK");
+    answer_failed(group.remove(index), ran);
+    commit_in_savepoints(connection, group);
+}
+
+/// How a write's run ended.
+#[derive(Debug, PartialEq)]
+enum Ran {
+    Ok,
+    Failed,
+    /// It failed and SQLite rolled the whole transaction back (a full disk,
+    /// an I/O error): the writes before it in the group are gone with it.
+    TookTransaction,
+    /// It panicked (a bug): it counts as a failure, and its caller gets no
+    /// answer.
+    Panicked,
+}
+
+fn run(connection: &Session<'_, '_>, write: &mut WriteBody) -> Ran {
+    match catch_unwind(AssertUnwindSafe(|| write.run(connection))) {
+        Err(_) => Ran::Panicked,
+        Ok(_) if connection.is_autocommit() => Ran::TookTransaction,
+        Ok(true) => Ran::Ok,
+        Ok(false) => Ran::Failed,
+    }
+}
+
+/// Answers a write whose run did not end [`Ran::Ok`], its changes undone.
+fn answer_failed(write: WriteBody, ran: Ran) {
+    match ran {
+        Ran::Ok | Ran::Panicked => {}
+        // Its own error when it returned one.
+        Ran::TookTransaction => write.answer(Err("it was rolled back with its transaction")),
+        Ran::Failed => write.answer(Ok(())),
+    }
+}
+
+/// Runs a group of writes in one transaction, each that joins it in a
+/// savepoint, commits, and answers them: a write that fails is undone alone.
+fn commit_in_savepoints(connection: &Session<'_, '_>, group: Vec<WriteBody>) {
+    let mut kept: Vec<WriteBody> = Vec::with_capacity(group.len());
+    for mut write in group {
         // A write that opens the transaction needs no savepoint: if it
         // fails, rolling the transaction back undoes it and nothing else.
-        // Savepoints are not free — SQLite copies each page a savepoint
-        // changes into the statement journal first — so only the writes
-        // that join an open transaction pay for one.
         let opens = connection.is_autocommit();
         let began = if opens { execute(connection, "BEGIN IMMEDIATE") } else { execute(connection, "SAVEPOINT write") };
         if let Err(error) = began {
-            let _ = catch_unwind(AssertUnwindSafe(|| job(Err(&format!("cannot begin a write: {error}")))));
+            write.answer(Err(&format!("cannot begin a write: {error}")));
             continue;
         }
-        // A panic (a bug) counts as a failure: its caller gets no answer.
-        let committed = catch_unwind(AssertUnwindSafe(|| job(Ok(connection)))).ok().flatten();
-        if connection.is_autocommit() {
-            // The failure was one SQLite answers by rolling the whole
-            // transaction back (a full disk, an I/O error): the writes
-            // before it in the group are gone with it.
-            abandon(connection, &mut waiting, "it was rolled back with a failed write of the same commit");
-            continue;
-        }
-        let unwound = match (committed, opens) {
-            (Some(committed), opens) => {
-                waiting.push(committed);
+        let unwound = match run(connection, &mut write) {
+            Ran::Ok => {
+                kept.push(write);
                 if opens { Ok(()) } else { execute(connection, "RELEASE write") }
             }
-            (None, true) => execute(connection, "ROLLBACK"),
-            (None, false) => {
-                execute(connection, "ROLLBACK TO write").and_then(|()| execute(connection, "RELEASE write"))
+            Ran::TookTransaction => {
+                answer_failed(write, Ran::TookTransaction);
+                abandon(connection, &mut kept, "it was rolled back with a failed write of the same commit");
+                continue;
+            }
+            ran => {
+                answer_failed(write, ran);
+                if opens {
+                    execute(connection, "ROLLBACK")
+                } else {
+                    execute(connection, "ROLLBACK TO write").and_then(|()| execute(connection, "RELEASE write"))
+                }
             }
         };
         if let Err(error) = unwound {
             tracing::error!(%error, "closing a SQLite savepoint failed");
-            abandon(connection, &mut waiting, &format!("closing its savepoint failed: {error}"));
+            abandon(connection, &mut kept, &format!("closing its savepoint failed: {error}"));
         }
     }
     if connection.is_autocommit() {
-        // The group was abandoned: nothing is left to commit.
+        // Abandoned, or every write failed: nothing is left to commit.
         return;
     }
     match execute(connection, "COMMIT") {
-        Ok(()) => waiting.into_iter().for_each(|committed| committed(Ok(()))),
-        Err(error) => abandon(connection, &mut waiting, &format!("the commit failed: {error}")),
+        Ok(()) => kept.into_iter().for_each(|write| write.answer(Ok(()))),
+        Err(error) => abandon(connection, &mut kept, &format!("the commit failed: {error}")),
     }
 }
 
-/// Rolls the group's transaction back and tells each write waiting in it.
-fn abandon(connection: &Session<'_, '_>, waiting: &mut Vec<Committed>, reason: &str) {
+/// Rolls the group's transaction back and answers each write in it.
+fn abandon(connection: &Session<'_, '_>, writes: &mut Vec<WriteBody>, reason: &str) {
     // Already rolled back when SQLite did it itself; nothing to undo then.
     let _ = execute(connection, "ROLLBACK");
-    for committed in waiting.drain(..) {
-        committed(Err(format!("the write was not kept: {reason}")));
+    for write in writes.drain(..) {
+        write.answer(Err(reason));
     }
 }
 
@@ -742,7 +826,7 @@ mod tests {
         (Writer::start("test-writer", connection, None, WalLength::default(), sync_full).expect("starts"), commits)
     }
 
-    fn insert(value: i64) -> impl FnOnce(&Session<'_, '_>) -> StoreResult<usize> + Send + 'static {
+    fn insert(value: i64) -> impl FnMut(&Session<'_, '_>) -> StoreResult<usize> + Send + 'static {
         move |connection| Ok(connection.execute("INSERT INTO t VALUES (?)", [value])?)
     }
 
@@ -918,5 +1002,51 @@ mod tests {
             .await
             .expect("reads");
         assert_eq!(kept, [2, 4]);
+    }
+
+    #[tokio::test]
+    async fn a_write_that_ran_before_a_failed_one_runs_again_and_answers_with_its_last_run() {
+        let (writer, commits) = writer();
+        let counting = |runs: &Arc<AtomicUsize>| {
+            let runs = runs.clone();
+            move |connection: &Session<'_, '_>| -> StoreResult<usize> {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                connection.execute("INSERT INTO t VALUES (?)", [run as i64 * 10])?;
+                Ok(run)
+            }
+        };
+        let values = |writer: Writer| async move {
+            writer
+                .write(|c| {
+                    let mut statement = c.prepare("SELECT v FROM t ORDER BY v")?;
+                    let values: Vec<i64> = statement.query_map([], |row| row.get(0))?.collect::<Result<_, _>>()?;
+                    Ok(values)
+                })
+                .await
+                .expect("reads")
+        };
+        // A group without a failure: each write runs once.
+        let (alone, company) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let busy = hold(&writer, Duration::from_millis(100)).await;
+        let (first, second) = tokio::join!(writer.write(counting(&alone)), writer.write(counting(&company)));
+        busy.await.expect("joins").expect("held");
+        assert_eq!((first.expect("stored"), second.expect("stored")), (1, 1));
+        assert_eq!(values(writer.clone()).await, [10, 10]);
+        // A write after it fails: it is undone with the transaction and runs
+        // again; its answer and its row are its second run's, and only that.
+        let again = Arc::new(AtomicUsize::new(0));
+        let busy = hold(&writer, Duration::from_millis(100)).await;
+        let (ran_twice, failed) = tokio::join!(
+            writer.write(counting(&again)),
+            writer.write(|connection: &Session<'_, '_>| -> StoreResult<usize> {
+                connection.execute("INSERT INTO t VALUES (99)", [])?;
+                Err(StoreError::Conflict("refused after writing".into()))
+            }),
+        );
+        busy.await.expect("joins").expect("held");
+        assert!(matches!(failed, Err(StoreError::Conflict(_))), "{failed:?}");
+        assert_eq!(ran_twice.expect("stored"), 2);
+        assert_eq!(values(writer.clone()).await, [10, 10, 20]);
+        assert_eq!(commits.load(Ordering::SeqCst), 6, "hold, group, read, hold, group, read");
     }
 }
