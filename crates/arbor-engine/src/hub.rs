@@ -607,13 +607,13 @@ impl Hub {
     }
 }
 
-/// The recent events' buffer and their payloads, in bytes.
 /// Copies of shared nodes, for a turn row's pending messages (stored with
 /// a queued turn until it starts).
 pub(crate) fn unshared(nodes: &[Arc<Node>]) -> Vec<Node> {
     nodes.iter().map(|node| Node::clone(node)).collect()
 }
 
+/// The recent events' buffer and their payloads, in bytes.
 fn recent_size(state: &HubState) -> usize {
     let payloads: usize = state.recent.iter().map(|event| event.data.len()).sum();
     state.recent.capacity() * size_of::<Event>() + payloads

@@ -215,8 +215,6 @@ impl Drop for Borrowed<'_> {
     }
 }
 
-/// What a write that succeeded waits for: the outcome of the commit that
-/// holds it (`Err` with the reason when that commit failed).
 /// A write waiting in a group: run inside the group's transaction (again
 /// when another write of the group failed), then answered once.
 trait Write: Send {
@@ -622,7 +620,6 @@ fn commit_group(connection: &Session<'_, '_>, mut group: Vec<WriteBody>) {
 }
 
 /// How a write's run ended.
-#[derive(Debug, PartialEq)]
 enum Ran {
     Ok,
     Failed,
@@ -643,11 +640,12 @@ fn run(connection: &Session<'_, '_>, write: &mut WriteBody) -> Ran {
     }
 }
 
-/// Answers a write whose run did not end [`Ran::Ok`], its changes undone.
+/// Answers a write whose run did not end [`Ran::Ok`], its changes undone:
+/// with the error it returned, else (it succeeded, but SQLite rolled its
+/// transaction back) with that.
 fn answer_failed(write: WriteBody, ran: Ran) {
     match ran {
         Ran::Ok | Ran::Panicked => {}
-        // Its own error when it returned one.
         Ran::TookTransaction => write.answer(Err("it was rolled back with its transaction")),
         Ran::Failed => write.answer(Ok(())),
     }
