@@ -6,9 +6,9 @@
 //! Each event is written straight into one buffer of its size, which
 //! becomes the body's frame. axum's `Sse` built each event in a buffer that
 //! grew field by field (five reservations an event, ~250 instructions
-//! each) and reset its keep-alive timer after every event: ~19k
-//! instructions of a streamed turn of the benchmark, 3% (callgrind,
-//! bench/analysis.md). Here the keep-alive timer is not touched per event:
+//! each) and reset its keep-alive timer after every event: 24k
+//! instructions of a streamed turn of the benchmark, 4.2%, against 11k
+//! here (callgrind, bench/analysis.md "Since the fiftieth run"). Here the keep-alive timer is not touched per event:
 //! it is checked every half interval, and a comment is sent when nothing
 //! was sent since the last check, so that a quiet stream carries something
 //! at least every [`KEEP_ALIVE`].
@@ -55,7 +55,8 @@ pub fn respond(events: EventStream, visibility: Visibility, shutdown: Cancellati
 fn frame(event: &Event) -> Bytes {
     let mut seq = itoa::Buffer::new();
     let (seq, name, data) = (seq.format(event.seq), event.name.as_str(), event.data.as_bytes());
-    let mut frame = Vec::with_capacity(4 + seq.len() + 8 + name.len() + 7 + data.len() + 2);
+    let fields = "id: \nevent: \ndata: \n\n".len();
+    let mut frame = Vec::with_capacity(fields + seq.len() + name.len() + data.len());
     frame.extend_from_slice(b"id: ");
     frame.extend_from_slice(seq.as_bytes());
     frame.extend_from_slice(b"\nevent: ");

@@ -602,52 +602,54 @@ fn commit_group(connection: &Session<'_, '_>, mut group: Vec<WriteBody>) {
         group.into_iter().for_each(|write| write.answer(Err(&reason)));
         return;
     }
-    let stopped = group.iter_mut().enumerate().find_map(|(index, write)| match run(connection, write) {
-        Ran::Ok => None,
-        ran => Some((index, ran)),
-    });
-    let Some((index, ran)) = stopped else {
-        match execute(connection, "COMMIT") {
-            Ok(()) => group.into_iter().for_each(|write| write.answer(Ok(()))),
-            Err(error) => abandon(connection, &mut group, &format!("the commit failed: {error}")),
-        }
+    let failed =
+        group.iter_mut().enumerate().find_map(|(index, write)| run(connection, write).err().map(|why| (index, why)));
+    let Some((index, why)) = failed else {
+        commit(connection, group);
         return;
     };
     // Undone whole: the writes before it run again, as do those after it.
     let _ = execute(connection, "ROLLBACK");
-    answer_failed(group.remove(index), ran);
+    answer_failed(group.remove(index), why);
     commit_in_savepoints(connection, group);
 }
 
-/// How a write's run ended.
-enum Ran {
-    Ok,
-    Failed,
-    /// It failed and SQLite rolled the whole transaction back (a full disk,
-    /// an I/O error): the writes before it in the group are gone with it.
+/// Why a write's run failed.
+enum Failure {
+    /// It returned an error.
+    Returned,
+    /// SQLite rolled the whole transaction back (a full disk, an I/O
+    /// error): the writes before it in the group are gone with it.
     TookTransaction,
-    /// It panicked (a bug): it counts as a failure, and its caller gets no
-    /// answer.
+    /// It panicked (a bug): its caller gets no answer.
     Panicked,
 }
 
-fn run(connection: &Session<'_, '_>, write: &mut WriteBody) -> Ran {
+fn run(connection: &Session<'_, '_>, write: &mut WriteBody) -> Result<(), Failure> {
     match catch_unwind(AssertUnwindSafe(|| write.run(connection))) {
-        Err(_) => Ran::Panicked,
-        Ok(_) if connection.is_autocommit() => Ran::TookTransaction,
-        Ok(true) => Ran::Ok,
-        Ok(false) => Ran::Failed,
+        Err(_) => Err(Failure::Panicked),
+        Ok(_) if connection.is_autocommit() => Err(Failure::TookTransaction),
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Failure::Returned),
     }
 }
 
-/// Answers a write whose run did not end [`Ran::Ok`], its changes undone:
-/// with the error it returned, else (it succeeded, but SQLite rolled its
-/// transaction back) with that.
-fn answer_failed(write: WriteBody, ran: Ran) {
-    match ran {
-        Ran::Ok | Ran::Panicked => {}
-        Ran::TookTransaction => write.answer(Err("it was rolled back with its transaction")),
-        Ran::Failed => write.answer(Ok(())),
+/// Answers a write whose run failed, its changes undone: with the error it
+/// returned, else (it succeeded, but SQLite rolled its transaction back)
+/// with that.
+fn answer_failed(write: WriteBody, why: Failure) {
+    match why {
+        Failure::Panicked => {}
+        Failure::TookTransaction => write.answer(Err("it was rolled back with its transaction")),
+        Failure::Returned => write.answer(Ok(())),
+    }
+}
+
+/// Commits the open transaction and answers the writes in it.
+fn commit(connection: &Session<'_, '_>, mut writes: Vec<WriteBody>) {
+    match execute(connection, "COMMIT") {
+        Ok(()) => writes.into_iter().for_each(|write| write.answer(Ok(()))),
+        Err(error) => abandon(connection, &mut writes, &format!("the commit failed: {error}")),
     }
 }
 
@@ -665,17 +667,17 @@ fn commit_in_savepoints(connection: &Session<'_, '_>, group: Vec<WriteBody>) {
             continue;
         }
         let unwound = match run(connection, &mut write) {
-            Ran::Ok => {
+            Ok(()) => {
                 kept.push(write);
                 if opens { Ok(()) } else { execute(connection, "RELEASE write") }
             }
-            Ran::TookTransaction => {
-                answer_failed(write, Ran::TookTransaction);
+            Err(Failure::TookTransaction) => {
+                answer_failed(write, Failure::TookTransaction);
                 abandon(connection, &mut kept, "it was rolled back with a failed write of the same commit");
                 continue;
             }
-            ran => {
-                answer_failed(write, ran);
+            Err(why) => {
+                answer_failed(write, why);
                 if opens {
                     execute(connection, "ROLLBACK")
                 } else {
@@ -692,10 +694,7 @@ fn commit_in_savepoints(connection: &Session<'_, '_>, group: Vec<WriteBody>) {
         // Abandoned, or every write failed: nothing is left to commit.
         return;
     }
-    match execute(connection, "COMMIT") {
-        Ok(()) => kept.into_iter().for_each(|write| write.answer(Ok(()))),
-        Err(error) => abandon(connection, &mut kept, &format!("the commit failed: {error}")),
-    }
+    commit(connection, kept);
 }
 
 /// Rolls the group's transaction back and answers each write in it.
