@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use arbor_core::Cost;
 use arbor_core::Node;
-use arbor_core::ids::rfc3339;
+use arbor_core::ids::{Rfc3339, rfc3339};
 use arbor_store::{ApiCall, Conversation, Turn};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -22,8 +22,8 @@ pub struct ConversationView<'a> {
     head_id: Option<&'a str>,
     head_version: i64,
     summary: Option<&'a str>,
-    created_at: String,
-    updated_at: String,
+    created_at: Rfc3339,
+    updated_at: Rfc3339,
 }
 
 pub fn conversation(conversation: &Conversation) -> ConversationView<'_> {
@@ -35,8 +35,8 @@ pub fn conversation(conversation: &Conversation) -> ConversationView<'_> {
         head_id: conversation.head_id.as_deref(),
         head_version: conversation.head_version,
         summary: conversation.summary.as_deref(),
-        created_at: rfc3339(conversation.created_at),
-        updated_at: rfc3339(conversation.updated_at),
+        created_at: Rfc3339(conversation.created_at),
+        updated_at: Rfc3339(conversation.updated_at),
     }
 }
 
@@ -83,8 +83,8 @@ pub struct TurnView<'a> {
     cost_credits: i64,
     cost_cents_usd: f64,
     error: Option<TurnError<'a>>,
-    created_at: String,
-    finished_at: Option<String>,
+    created_at: Rfc3339,
+    finished_at: Option<Rfc3339>,
 }
 
 #[derive(Serialize)]
@@ -110,8 +110,8 @@ pub fn turn(turn: &Turn) -> TurnView<'_> {
         cost_credits: cost.credits(),
         cost_cents_usd: cost.cents_usd(),
         error: turn.error_code.as_deref().map(|code| TurnError { code, message: turn.error_message.as_deref() }),
-        created_at: rfc3339(turn.created_at),
-        finished_at: turn.finished_at.map(rfc3339),
+        created_at: Rfc3339(turn.created_at),
+        finished_at: turn.finished_at.map(Rfc3339),
     }
 }
 
