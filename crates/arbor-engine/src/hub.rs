@@ -57,7 +57,7 @@ pub(crate) struct RunningTurn {
 
 /// A turn waiting for the slot (or about to take it).
 pub(crate) struct QueuedTurn {
-    pub turn: Turn,
+    pub turn: Arc<Turn>,
     /// Messages to record when the turn starts (a queued message is recorded
     /// under the head as it is then, so it follows the reply it waited for).
     /// Shared: the store and the conversation's tree take them without a
@@ -88,9 +88,9 @@ pub(crate) enum Slot {
     /// A turn runs and the caller did not want to wait.
     Busy { running: Arc<str> },
     /// Queued at `position` (1 = next).
-    Queued { turn: Turn, position: usize, subscription: Subscription, last_seq: i64 },
+    Queued { turn: Arc<Turn>, position: usize, subscription: Subscription, last_seq: i64 },
     /// Joined the queued merge turn `turn`.
-    Merged { turn: Turn, subscription: Subscription, last_seq: i64, outcome: OutcomeReceiver },
+    Merged { turn: Arc<Turn>, subscription: Subscription, last_seq: i64, outcome: OutcomeReceiver },
 }
 
 struct HubState {
@@ -423,7 +423,7 @@ impl Hub {
                         last.nodes.push(Arc::new(Node { turn_id: Some(last.turn.id.clone()), ..Node::clone(&node) }));
                     }
                 }
-                last.turn.pending_messages = unshared(&last.nodes);
+                Arc::make_mut(&mut last.turn).pending_messages = unshared(&last.nodes);
                 let merged = last.turn.clone();
                 let outcome = last.outcome.subscribe();
                 let receiver = state.viewer();
@@ -433,7 +433,7 @@ impl Hub {
             }
             QueueMode::Fifo | QueueMode::Merge => {
                 // Stored with the turn's row: durable until the turn starts.
-                turn.turn.pending_messages = unshared(&turn.nodes);
+                Arc::make_mut(&mut turn.turn).pending_messages = unshared(&turn.nodes);
                 let queued_turn = turn.turn.clone();
                 turn.waited = true;
                 state.queue.push_back(turn);

@@ -110,7 +110,7 @@ pub struct NewConversation {
 /// A started turn: its row, the user message, the turn's own event stream
 /// (from `turn.started` to `done`/`error`), and a way to wait for its end.
 pub struct TurnHandle {
-    pub turn: Turn,
+    pub turn: Arc<Turn>,
     /// The message the turn answers, when this submit recorded it now (not
     /// for a queued or merged submit, whose messages are recorded at start).
     pub user_message: Option<Arc<Node>>,

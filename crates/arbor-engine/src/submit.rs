@@ -82,7 +82,7 @@ impl Submitted {
 
 /// A turn that holds the slot, with its messages recorded.
 struct Prepared {
-    turn: Turn,
+    turn: Arc<Turn>,
     /// The messages recorded with it.
     nodes: Vec<Arc<Node>>,
     /// The conversation's head version after them.
@@ -471,7 +471,7 @@ impl Inner {
             pending_messages: Vec::new(),
         };
         let queued = QueuedTurn {
-            turn,
+            turn: Arc::new(turn),
             nodes,
             merge: queue == QueueMode::Merge,
             anchored,
@@ -500,13 +500,13 @@ impl Inner {
                     // Another node runs a turn here: wait for it like any
                     // queued turn, when the caller asked to wait.
                     if matches!(error, EngineError::TurnRunning { .. }) && queue != QueueMode::Refuse {
-                        let mut waiting = queued.turn.clone();
+                        let mut waiting = Turn::clone(&queued.turn);
                         waiting.status = TurnStatus::Queued;
                         waiting.pending_messages = crate::hub::unshared(&queued.nodes);
                         self.store.insert_turn(&waiting).await?;
                         hub.requeue_front(*queued);
                         hub.emit(Some(&turn_id), EventName::TurnQueued, &json!({"turn_id": &*turn_id, "position": 1}));
-                        return Ok(TurnHandle { turn: waiting, user_message: None, events, outcome });
+                        return Ok(TurnHandle { turn: Arc::new(waiting), user_message: None, events, outcome });
                     }
                     hub.release(&turn_id);
                     return Err(error);
@@ -598,7 +598,7 @@ impl Inner {
         queued: &QueuedTurn,
     ) -> EngineResult<Prepared> {
         let nodes = chain(queued, conversation);
-        let mut turn = queued.turn.clone();
+        let mut turn = Turn::clone(&queued.turn);
         if let Some(last) = nodes.last() {
             turn.user_message_id = last.id.clone();
         }
@@ -619,6 +619,9 @@ impl Inner {
         turn.status = TurnStatus::Running;
         turn.pending_messages.clear();
         turn.started_at = Some(now_millis());
+        // Shared from here on: the store's writer thread, the running turn
+        // and its outcome hold this one copy.
+        let turn = Arc::new(turn);
         let reservation = if queued.limited {
             Some(self.first_reservation(hub, conversation, queued, &turn, &nodes).await?)
         } else {
@@ -736,7 +739,7 @@ impl Inner {
                 }
                 Err((error, failed)) => {
                     tracing::warn!(turn_id = %failed.turn.id, %error, "a queued turn could not start");
-                    let mut turn = failed.turn.clone();
+                    let mut turn = Turn::clone(&failed.turn);
                     turn.status = TurnStatus::Failed;
                     turn.error_code = Some("conflict".into());
                     turn.error_message = Some(error.to_string());
@@ -751,7 +754,7 @@ impl Inner {
                         &json!({"turn_id": &*turn_id, "code": "conflict", "message": error.to_string()}),
                     );
                     let _ = failed.outcome.send(Some(Arc::new(crate::TurnOutcome {
-                        turn,
+                        turn: Arc::new(turn),
                         reply: None,
                         head_version: conversation_head_version(&self.store, &hub.conversation_id, &owner_id).await,
                         overhead: Default::default(),
@@ -777,7 +780,7 @@ impl Inner {
         let nodes = crate::hub::unshared(&chain(&queued, &conversation));
         let turn_id: Arc<str> = Arc::from(queued.turn.id.as_str());
         self.record(hub, &conversation, &nodes, Some(&turn_id)).await?;
-        let mut turn = queued.turn.clone();
+        let mut turn = Turn::clone(&queued.turn);
         turn.status = TurnStatus::Cancelled;
         turn.error_code = Some("cancelled".into());
         turn.error_message = Some("the turn was cancelled before it started".into());
@@ -792,7 +795,7 @@ impl Inner {
             &json!({"turn_id": &*turn_id, "code": "cancelled", "message": turn.error_message}),
         );
         let _ = queued.outcome.send(Some(Arc::new(crate::TurnOutcome {
-            turn: turn.clone(),
+            turn: Arc::new(turn.clone()),
             reply: None,
             head_version: conversation.head_version,
             overhead: Default::default(),

@@ -91,7 +91,7 @@ pub(crate) fn reservation_for<'a>(
 /// How a finished turn ended, for callers that wait (the JSON mode).
 #[derive(Debug, Clone)]
 pub struct TurnOutcome {
-    pub turn: Turn,
+    pub turn: Arc<Turn>,
     /// The assistant message it produced (possibly interrupted), as the
     /// conversation's tree holds it.
     pub reply: Option<Arc<Node>>,
@@ -125,7 +125,7 @@ pub(crate) struct TurnTask {
     hub: Arc<Hub>,
     user: User,
     conversation: Conversation,
-    turn: Turn,
+    turn: Arc<Turn>,
     turn_id: Arc<str>,
     model: ResolvedModel,
     cancel: CancellationToken,
@@ -170,7 +170,7 @@ impl TurnTask {
         hub: Arc<Hub>,
         user: User,
         conversation: Conversation,
-        turn: Turn,
+        turn: Arc<Turn>,
         turn_id: Arc<str>,
         model: ResolvedModel,
         cancel: CancellationToken,
@@ -196,6 +196,20 @@ impl TurnTask {
             hold: Hold::Unlimited,
             recorded: false,
         }
+    }
+
+    /// The turn, to change: shared with no one by then (the store's writes
+    /// of it are over), so not copied.
+    fn turn_mut(&mut self) -> &mut Turn {
+        Arc::make_mut(&mut self.turn)
+    }
+
+    /// Marks the turn ended with `status` (not a success) and why.
+    fn end_with(&mut self, status: TurnStatus, code: &str, message: String) {
+        let turn = self.turn_mut();
+        turn.status = status;
+        turn.error_code = Some(code.to_string());
+        turn.error_message = Some(message);
     }
 
     pub(crate) fn holding(mut self, hold: Hold) -> TurnTask {
@@ -234,9 +248,11 @@ impl TurnTask {
                 // A store failure mid-turn: the turn cannot be recorded as
                 // finished normally; say so to the viewers and free the slot.
                 tracing::error!(turn_id = %self.turn_id, %error, "turn failed on a server fault");
-                self.turn.status = TurnStatus::Failed;
-                self.turn.error_code = Some(ErrorCode::Internal.as_str().into());
-                self.turn.error_message = Some("the server could not record this turn".into());
+                self.end_with(
+                    TurnStatus::Failed,
+                    ErrorCode::Internal.as_str(),
+                    "the server could not record this turn".into(),
+                );
                 None
             }
         };
@@ -249,7 +265,7 @@ impl TurnTask {
             {
                 tracing::error!(turn_id = %self.turn_id, %error, "releasing the turn's credits failed");
             }
-            self.turn.finished_at = Some(now_millis());
+            self.turn_mut().finished_at = Some(now_millis());
             if let Err(error) = self.inner.store.update_turn(&self.turn).await {
                 tracing::error!(turn_id = %self.turn_id, %error, "recording the finished turn failed");
             }
@@ -355,12 +371,11 @@ impl TurnTask {
             path.iter().any(|message| message.parts.iter().any(|part| matches!(part, arbor_core::Part::Image { .. })));
         if has_image && !self.model.info.capabilities.vision {
             // Refused before any call: the model would reject or ignore it.
-            self.turn.status = TurnStatus::Failed;
-            self.turn.error_code = Some(ErrorCode::InvalidRequest.as_str().into());
-            self.turn.error_message = Some(format!(
+            let message = format!(
                 "model {:?} cannot read images (it has no vision capability), and this conversation has some; choose a model with vision",
                 self.model.info.id
-            ));
+            );
+            self.end_with(TurnStatus::Failed, ErrorCode::InvalidRequest.as_str(), message);
             return Ok(None);
         }
 
@@ -381,9 +396,7 @@ impl TurnTask {
                 Some(reservation)
             }
             Hold::Refused(message) => {
-                self.turn.status = TurnStatus::Failed;
-                self.turn.error_code = Some("quota_exceeded".into());
-                self.turn.error_message = Some(message);
+                self.end_with(TurnStatus::Failed, "quota_exceeded", message);
                 return Ok(None);
             }
         };
@@ -392,9 +405,10 @@ impl TurnTask {
         // Price what the provider reported, even for a call that failed or
         // was cut short: the provider bills for it.
         let cost = self.model.info.prices.cost(&result.usage);
-        self.turn.iterations += 1;
-        self.turn.usage.add(&result.usage);
-        self.turn.cost_micro_usd += cost.micro_usd;
+        let turn = self.turn_mut();
+        turn.iterations += 1;
+        turn.usage.add(&result.usage);
+        turn.cost_micro_usd += cost.micro_usd;
 
         let has_output = !result.collected.text.is_empty()
             || !result.collected.tool_calls.is_empty()
@@ -461,19 +475,16 @@ impl TurnTask {
             }
         };
         match &ending {
-            None => self.turn.status = TurnStatus::Succeeded,
-            Some((turn_status, code, message)) => {
-                self.turn.status = *turn_status;
-                self.turn.error_code = Some(code.as_str().to_string());
-                self.turn.error_message = Some(message.clone());
-            }
+            None => self.turn_mut().status = TurnStatus::Succeeded,
+            Some((turn_status, code, message)) => self.end_with(*turn_status, code.as_str(), message.clone()),
         }
-        self.turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
         let now = now_millis();
-        self.turn.finished_at = Some(now);
+        let turn = self.turn_mut();
+        turn.reply_message_id = reply.as_ref().map(|node| node.id.clone());
+        turn.finished_at = Some(now);
         let finishing = Instant::now();
         let (_, head_version) =
-            self.inner.store.finish_turn(&self.turn, &call, reply.as_ref(), reservation.as_deref(), now).await?;
+            self.inner.store.finish_turn(&self.turn, call, reply.as_ref(), reservation.as_deref(), now).await?;
         self.store_wait += finishing.elapsed();
         self.recorded = true;
         if let (Some(reply), Some(head_version)) = (&reply, head_version) {

@@ -173,12 +173,13 @@ pub trait Store: Send + Sync + 'static {
     /// `lease` (`(owner, expires_at)`, as [`Store::renew_lease`] takes it),
     /// the turn is written holding it: a node that dies right after the
     /// start leaves a turn the others can take over, not one without a
-    /// lease, which none would. The nodes are shared (`Arc`): the caller
-    /// keeps them for the conversation's tree, and a store that writes on
-    /// another thread takes them there without a copy.
+    /// lease, which none would. The turn and the nodes are shared (`Arc`):
+    /// the caller keeps them (the running turn, the conversation's tree),
+    /// and a store that writes on another thread takes them there without a
+    /// copy.
     async fn start_turn(
         &self,
-        turn: &Turn,
+        turn: &Arc<Turn>,
         nodes: &[Arc<Node>],
         queued_row: bool,
         updated_at: Millis,
@@ -206,11 +207,12 @@ pub trait Store: Send + Sync + 'static {
     /// finished turn. Returns the ledger entry and the head version after
     /// the move. Announces [`Notice::TurnFinished`] to every node's
     /// listeners with its commit, as [`Store::notify`] would, without a
-    /// round trip of its own.
+    /// round trip of its own. The turn is shared and the call given, as in
+    /// [`Store::start_turn`]: neither is copied to be written.
     async fn finish_turn(
         &self,
-        turn: &Turn,
-        call: &ApiCall,
+        turn: &Arc<Turn>,
+        call: ApiCall,
         reply: Option<&Arc<Node>>,
         reservation_id: Option<&str>,
         updated_at: Millis,

@@ -1117,7 +1117,7 @@ impl Store for PostgresStore {
 
     async fn start_turn(
         &self,
-        turn: &Turn,
+        turn: &Arc<Turn>,
         nodes: &[Arc<Node>],
         queued_row: bool,
         updated_at: Millis,
@@ -1208,8 +1208,8 @@ impl Store for PostgresStore {
 
     async fn finish_turn(
         &self,
-        turn: &Turn,
-        call: &ApiCall,
+        turn: &Arc<Turn>,
+        call: ApiCall,
         reply: Option<&Arc<Node>>,
         reservation_id: Option<&str>,
         updated_at: Millis,
@@ -1219,7 +1219,7 @@ impl Store for PostgresStore {
         // waited.
         let replies = reply.map_or(&[][..], std::slice::from_ref);
         let query = NodeArrays::new(replies)?.bind(sqlx::query(FINISH_TURN)).bind(reservation_id);
-        let query = bind_call(query, call).bind(updated_at);
+        let query = bind_call(query, &call).bind(updated_at);
         let finished = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
         let row = bind_turn_update(query, turn)
             .bind(NOTICE_CHANNEL)
@@ -1228,7 +1228,7 @@ impl Store for PostgresStore {
             .await
             .map_err(codec::running_turn_conflict)?;
         let (balance_after, head_version): (Option<i64>, Option<i64>) = (row.try_get(1)?, row.try_get(2)?);
-        Ok((LedgerEntry::for_call(call, balance_after), head_version))
+        Ok((LedgerEntry::for_call(&call, balance_after), head_version))
     }
 
     async fn api_calls(&self, turn_id: &str) -> StoreResult<Vec<ApiCall>> {

@@ -409,13 +409,13 @@ fn configure(connection: &Connection) -> StoreResult<()> {
     connection.busy_timeout(BUSY_TIMEOUT)?;
     connection.pragma_update(None, "foreign_keys", true)?;
     // Temporary files stay in memory. The one that matters is the
-    // statement journal: every write runs in a savepoint of its group's
-    // transaction (see `worker`), and SQLite keeps the original of each page
-    // a savepoint changes so it can roll back to it; past 64 KiB it spilled
-    // to a temporary file, opened, written page by page and deleted in
-    // group after group (at 100 turns/s a third of the writer's `pwrite`s,
-    // by strace). It is only read to undo a savepoint, never after a
-    // crash, so durability is unchanged.
+    // statement journal: when a write of a group fails, the others run
+    // again each in a savepoint (see `worker`), and SQLite keeps the
+    // original of each page a savepoint changes so it can roll back to it;
+    // past 64 KiB it spilled to a temporary file, opened, written page by
+    // page and deleted (when every write ran in a savepoint, at 100 turns/s
+    // a third of the writer's `pwrite`s, by strace). It is only read to
+    // undo a savepoint, never after a crash, so durability is unchanged.
     connection.pragma_update(None, "temp_store", "memory")?;
     connection.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(())
@@ -1230,14 +1230,14 @@ impl Store for SqliteStore {
 
     async fn start_turn(
         &self,
-        turn: &Turn,
+        turn: &Arc<Turn>,
         nodes: &[Arc<Node>],
         queued_row: bool,
         updated_at: Millis,
         reservation: Option<&Reservation>,
         lease: Option<(&str, Millis)>,
     ) -> StoreResult<TurnStarted> {
-        let (turn, nodes, reservation) = (turn.clone(), nodes.to_vec(), reservation.cloned());
+        let (turn, nodes, reservation) = (Arc::clone(turn), nodes.to_vec(), reservation.cloned());
         let lease = lease.map(|(owner, expires_at)| (owner.to_string(), expires_at));
         self.write(move |connection| {
             let updated = if queued_row { update_turn(connection, &turn) } else { Err(StoreError::NotFound) };
@@ -1306,14 +1306,14 @@ impl Store for SqliteStore {
 
     async fn finish_turn(
         &self,
-        turn: &Turn,
-        call: &ApiCall,
+        turn: &Arc<Turn>,
+        call: ApiCall,
         reply: Option<&Arc<Node>>,
         reservation_id: Option<&str>,
         updated_at: Millis,
     ) -> StoreResult<(LedgerEntry, Option<i64>)> {
         let notice = Notice::TurnFinished { conversation_id: turn.conversation_id.clone(), turn_id: turn.id.clone() };
-        let (turn, call, reply) = (turn.clone(), call.clone(), reply.cloned());
+        let (turn, reply) = (Arc::clone(turn), reply.cloned());
         let reservation_id = reservation_id.map(str::to_string);
         let finished = self
             .write(move |connection| {
