@@ -34,7 +34,7 @@ pub fn rfc3339(millis: Millis) -> String {
 /// when there are any and no trailing zeros (`2023-11-14T22:13:20.123Z`,
 /// `1970-01-01T00:00:00Z`): the text the time crate writes. Written into a
 /// buffer on the stack, so a view that holds one serializes it without a
-/// `String` (a JSON turn's answer shows four). A time outside the years 0
+/// `String` (a JSON turn's answer shows about five). A time outside the years 0
 /// to 9999, which RFC 3339 cannot write, shows as empty text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rfc3339(pub Millis);

@@ -1354,7 +1354,7 @@ async fn story_finish_turn_writes_everything_at_once(store: Arc<dyn Store>) {
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
     let mut listener = store.listen().await.expect("listen");
     let (entry, head_version) = store
-        .finish_turn(&Arc::new(running.clone()), call("k1", "alice", "c1", "t1", 250), Some(&reply), Some("r1"), 60)
+        .finish_turn(&Arc::new(running), call("k1", "alice", "c1", "t1", 250), Some(&reply), Some("r1"), 60)
         .await
         .expect("finished");
     // Announced with the commit, without a `notify` of its own.
@@ -1394,7 +1394,7 @@ async fn story_finish_turn_of_an_unlimited_user(store: Arc<dyn Store>) {
     running.finished_at = Some(50);
     let reply = Arc::new(node("c1", "a1", Some("u1"), Message::assistant("hello")));
     let (entry, head_version) = store
-        .finish_turn(&Arc::new(running.clone()), call("k1", "alice", "c1", "t1", 250), Some(&reply), None, 60)
+        .finish_turn(&Arc::new(running), call("k1", "alice", "c1", "t1", 250), Some(&reply), None, 60)
         .await
         .expect("finished");
     assert_eq!((entry.credits, entry.balance_after), (250, None));
@@ -1413,7 +1413,7 @@ async fn story_finish_turn_of_an_unlimited_user(store: Arc<dyn Store>) {
     second.status = TurnStatus::Succeeded;
     second.finished_at = Some(90);
     let (entry, _) = store
-        .finish_turn(&Arc::new(second.clone()), call("k2", "alice", "c1", "t2", 100), None, Some("r2"), 95)
+        .finish_turn(&Arc::new(second), call("k2", "alice", "c1", "t2", 100), None, Some("r2"), 95)
         .await
         .expect("finished");
     assert_eq!(entry.balance_after, None);
@@ -1432,9 +1432,8 @@ async fn story_finish_turn_of_a_missing_turn_keeps_nothing(store: Arc<dyn Store>
     ghost.reply_message_id = Some("a1".into());
     let reply = Arc::new(node("c1", "a1", Some("u1"), Message::assistant("hello")));
     let mut listener = store.listen().await.expect("listen");
-    let finished = store
-        .finish_turn(&Arc::new(ghost.clone()), call("k1", "alice", "c1", "t9", 250), Some(&reply), Some("r1"), 60)
-        .await;
+    let finished =
+        store.finish_turn(&Arc::new(ghost), call("k1", "alice", "c1", "t9", 250), Some(&reply), Some("r1"), 60).await;
     assert!(matches!(finished, Err(StoreError::NotFound)), "{finished:?}");
     // Nothing announced: a notice sent after it is the first to arrive.
     let marker = Notice::CancelTurn { conversation_id: "c1".into(), turn_id: "marker".into() };
@@ -1454,10 +1453,10 @@ async fn story_finish_turn_of_a_missing_turn_keeps_nothing(store: Arc<dyn Store>
 async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     alice_with_conversation(store.as_ref(), None).await;
     let before = store.conversation("alice", "c1").await.expect("read").expect("c1").head_version;
-    let first = turn("c1", "t1", TurnStatus::Running, 30);
+    let first = Arc::new(turn("c1", "t1", TurnStatus::Running, 30));
     let started = store
         .start_turn(
-            &Arc::new(first.clone()),
+            &first,
             &[node("c1", "u1", None, Message::user("hi")).into()],
             false,
             40,
@@ -1475,34 +1474,20 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     assert!(store.message("c1", "u1").await.expect("read").is_some());
 
     // A second running turn: refused, and its message is not written.
-    let second = turn("c1", "t2", TurnStatus::Running, 50);
+    let second = Arc::new(turn("c1", "t2", TurnStatus::Running, 50));
     let refused = store
-        .start_turn(
-            &Arc::new(second.clone()),
-            &[node("c1", "u2", Some("u1"), Message::user("no")).into()],
-            false,
-            60,
-            None,
-            None,
-        )
+        .start_turn(&second, &[node("c1", "u2", Some("u1"), Message::user("no")).into()], false, 60, None, None)
         .await;
     assert!(matches!(refused, Err(StoreError::Conflict(_))), "{refused:?}");
     assert!(store.message("c1", "u2").await.expect("read").is_none());
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
 
     // A message id already used: refused, and the turn is not written.
-    let mut done = first.clone();
+    let mut done = Turn::clone(&first);
     done.status = TurnStatus::Succeeded;
     store.update_turn(&done).await.expect("finished");
     let reused = store
-        .start_turn(
-            &Arc::new(second.clone()),
-            &[node("c1", "u1", None, Message::user("again")).into()],
-            false,
-            70,
-            None,
-            None,
-        )
+        .start_turn(&second, &[node("c1", "u1", None, Message::user("again")).into()], false, 70, None, None)
         .await;
     assert!(matches!(reused, Err(StoreError::Conflict(_))), "{reused:?}");
     assert!(store.turn("c1", "t2").await.expect("read").is_none());
@@ -1512,7 +1497,7 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     store.insert_turn(&queued).await.expect("queued");
     queued.status = TurnStatus::Running;
     let same = store
-        .start_turn(&Arc::new(queued.clone()), &[], true, 90, None, Some(("node-b", 900)))
+        .start_turn(&Arc::new(queued), &[], true, 90, None, Some(("node-b", 900)))
         .await
         .expect("started from the queue");
     assert_eq!(store.turn_lease("t3").await.expect("lease"), Some(("node-b".into(), 900)));
@@ -1520,16 +1505,9 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
     assert_eq!(store.turn("c1", "t3").await.expect("read").expect("t3").status, TurnStatus::Running);
 
     // A conversation that is gone: nothing is written.
-    let lost = turn("c404", "t4", TurnStatus::Running, 100);
+    let lost = Arc::new(turn("c404", "t4", TurnStatus::Running, 100));
     let gone = store
-        .start_turn(
-            &Arc::new(lost.clone()),
-            &[node("c404", "u4", None, Message::user("anyone?")).into()],
-            false,
-            110,
-            None,
-            None,
-        )
+        .start_turn(&lost, &[node("c404", "u4", None, Message::user("anyone?")).into()], false, 110, None, None)
         .await;
     assert!(matches!(gone, Err(StoreError::NotFound)), "{gone:?}");
     assert!(store.turn("c404", "t4").await.expect("read").is_none());
@@ -1540,10 +1518,10 @@ async fn story_start_turn_is_all_or_nothing(store: Arc<dyn Store>) {
 /// the user's message, and hold nothing.
 async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
     alice_with_conversation(store.as_ref(), Some(1_000)).await;
-    let first = turn("c1", "t1", TurnStatus::Running, 30);
+    let first = Arc::new(turn("c1", "t1", TurnStatus::Running, 30));
     let started = store
         .start_turn(
-            &Arc::new(first.clone()),
+            &first,
             &[node("c1", "u1", None, Message::user("hi")).into()],
             false,
             40,
@@ -1558,19 +1536,19 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
     assert_eq!(balance(&*store, "alice").await, Some(1_000), "a hold is not a charge");
 
     // Finishing gives the hold back and charges the real cost.
-    let mut done = first.clone();
+    let mut done = Turn::clone(&first);
     done.status = TurnStatus::Succeeded;
     store
-        .finish_turn(&Arc::new(done.clone()), call("call1", "alice", "c1", "t1", 100), None, Some("r1"), 50)
+        .finish_turn(&Arc::new(done), call("call1", "alice", "c1", "t1", 100), None, Some("r1"), 50)
         .await
         .expect("finish");
     assert_eq!(store.available_credits("alice").await.expect("available"), Some(900));
 
     // Not enough left: the turn and its message are written, nothing held.
-    let second = turn("c1", "t2", TurnStatus::Running, 60);
+    let second = Arc::new(turn("c1", "t2", TurnStatus::Running, 60));
     let started = store
         .start_turn(
-            &Arc::new(second.clone()),
+            &second,
             &[node("c1", "u2", Some("u1"), Message::user("more")).into()],
             false,
             70,
@@ -1586,10 +1564,10 @@ async fn story_start_turn_reserves_credits(store: Arc<dyn Store>) {
     assert!(!store.release_reservation("r2").await.expect("release"), "nothing was held");
 
     // A start refused by a conflict holds nothing either.
-    let third = turn("c1", "t3", TurnStatus::Running, 80);
+    let third = Arc::new(turn("c1", "t3", TurnStatus::Running, 80));
     let refused = store
         .start_turn(
-            &Arc::new(third.clone()),
+            &third,
             &[node("c1", "u3", Some("u2"), Message::user("no")).into()],
             false,
             90,
