@@ -2,9 +2,10 @@
 //! every message is a node with a parent, the head is the active leaf, and
 //! what a model reads is the path from the head to the root.
 
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
+use foldhash::fast::RandomState;
 use hashbrown::hash_table::{Entry, HashTable};
 use serde::{Deserialize, Serialize};
 
@@ -25,6 +26,11 @@ pub struct Tree {
     nodes: Vec<Arc<Node>>,
     /// Positions in `nodes`, found by the hash of the node's id.
     by_id: HashTable<usize>,
+    /// foldhash, seeded at random per tree: a path from the head to the
+    /// root hashes each id on it (~20 a JSON turn of the benchmark's
+    /// conversations), and std's SipHash took ~250 instructions for a
+    /// 36-byte id. Ids a client chose can only collide within its own
+    /// conversation, whose size is limited.
     hasher: RandomState,
     /// About how much memory the nodes hold ([`Tree::size_in_memory`]).
     bytes: usize,
@@ -35,7 +41,7 @@ impl Tree {
         let mut tree = Tree {
             nodes: Vec::with_capacity(nodes.len()),
             by_id: HashTable::with_capacity(nodes.len()),
-            hasher: RandomState::new(),
+            hasher: RandomState::default(),
             bytes: 0,
         };
         for node in nodes {
