@@ -39,6 +39,12 @@ pub use turn::TurnOutcome;
 use crate::hub::Hub;
 use crate::writer::EventWriter;
 
+/// The hasher of the engine's per-request maps (loaded conversations by id,
+/// recent API keys): foldhash, seeded at random per map, where std's
+/// SipHash took ~250 instructions for a 36-byte id. Their keys are ids the
+/// server made and SHA-256 digests.
+type FastHash = foldhash::fast::RandomState;
+
 /// Limits on a turn (DESIGN.md §5).
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -176,7 +182,7 @@ pub(crate) struct Inner {
     pub interrupt: CancellationToken,
     /// Recently seen API keys (SHA-256 → user, when checked), so that a busy
     /// client does not cost a database read per request.
-    key_cache: Mutex<HashMap<[u8; 32], (User, Instant)>>,
+    key_cache: Mutex<HashMap<[u8; 32], (User, Instant), FastHash>>,
     /// Queued turns that just got their conversation's slot, for the
     /// launcher task to start.
     launcher: tokio::sync::mpsc::UnboundedSender<(Arc<Hub>, String, hub::QueuedTurn)>,
@@ -221,7 +227,7 @@ const SWEEP_GROWTH_MIN: usize = 64 << 10;
 
 /// The conversations loaded in memory.
 struct Hubs {
-    map: HashMap<String, Arc<Hub>>,
+    map: HashMap<String, Arc<Hub>, FastHash>,
     /// The size at which the next sweep runs: [`Hubs::gap`] more than the last one kept, so each
     /// sweep is paid for by new hubs in proportion to what it scanned (a sweep on every new hub
     /// once 256 were busy made loading O(hubs)).
@@ -238,7 +244,7 @@ struct Hubs {
 impl Hubs {
     fn new(idle_kept: usize, idle_bytes: usize) -> Hubs {
         let grown = Arc::new(AtomicUsize::new(0));
-        let mut hubs = Hubs { map: HashMap::new(), sweep_at: 0, idle_kept, idle_bytes, grown };
+        let mut hubs = Hubs { map: HashMap::default(), sweep_at: 0, idle_kept, idle_bytes, grown };
         hubs.sweep_at = hubs.gap();
         hubs
     }
@@ -327,7 +333,7 @@ impl Engine {
                 tracker: TaskTracker::new(),
                 closing,
                 interrupt: CancellationToken::new(),
-                key_cache: Mutex::new(HashMap::new()),
+                key_cache: Mutex::new(HashMap::default()),
                 launcher,
                 metrics: metrics::Metrics::default(),
                 node_id: new_id(),
