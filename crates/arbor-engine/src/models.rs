@@ -11,7 +11,8 @@ use crate::error::{EngineError, EngineResult};
 /// A model ready to call: its registry entry and the adapter serving it.
 #[derive(Clone)]
 pub struct ResolvedModel {
-    pub info: ModelInfo,
+    /// The registry's own entry, shared.
+    pub info: Arc<ModelInfo>,
     pub provider: Arc<dyn Provider>,
 }
 
@@ -49,7 +50,7 @@ impl Models {
 
     /// The model and its adapter, or a 400-class error naming the model.
     pub fn resolve(&self, model: &str) -> EngineResult<ResolvedModel> {
-        let info = self.registry.get(model).ok_or_else(|| EngineError::UnknownModel(model.to_string()))?;
+        let info = self.registry.shared(model).ok_or_else(|| EngineError::UnknownModel(model.to_string()))?;
         let provider = self.providers.get(&info.provider).cloned().ok_or_else(|| {
             EngineError::ModelUnavailable(format!(
                 "model {model:?} is served by provider {:?}, which is not configured on this server: \
@@ -57,6 +58,6 @@ impl Models {
                 info.provider, info.provider
             ))
         })?;
-        Ok(ResolvedModel { info: info.clone(), provider })
+        Ok(ResolvedModel { info, provider })
     }
 }

@@ -3,6 +3,7 @@
 //! (`models.toml`), which the config can extend and override per field.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use arbor_core::Prices;
 use serde::{Deserialize, Serialize};
@@ -75,7 +76,8 @@ struct RegistryFile {
 /// All known models, by id.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Registry {
-    models: BTreeMap<String, ModelInfo>,
+    /// Shared: each turn takes the model it runs on (see [`Registry::shared`]).
+    models: BTreeMap<String, Arc<ModelInfo>>,
 }
 
 impl Registry {
@@ -96,7 +98,7 @@ impl Registry {
     pub fn apply(&mut self, entries: BTreeMap<String, ModelEntry>) -> Result<(), RegistryError> {
         for (id, entry) in entries {
             let model = match self.models.remove(&id) {
-                Some(known) => merge(known, entry),
+                Some(known) => merge(Arc::unwrap_or_clone(known), entry),
                 None => {
                     let provider =
                         entry.provider.clone().ok_or(RegistryError::MissingProvider { model: id.clone() })?;
@@ -112,17 +114,22 @@ impl Registry {
                     merge(base, entry)
                 }
             };
-            self.models.insert(id, model);
+            self.models.insert(id, Arc::new(model));
         }
         Ok(())
     }
 
     pub fn get(&self, id: &str) -> Option<&ModelInfo> {
-        self.models.get(id)
+        self.models.get(id).map(|model| &**model)
+    }
+
+    /// The model, shared rather than copied (a turn holds it while it runs).
+    pub fn shared(&self, id: &str) -> Option<Arc<ModelInfo>> {
+        self.models.get(id).cloned()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &ModelInfo> {
-        self.models.values()
+        self.models.values().map(|model| &**model)
     }
 }
 
