@@ -420,7 +420,8 @@ impl Hub {
                 for node in turn.nodes.drain(..) {
                     // A resent message id is not added twice.
                     if last.nodes.iter().all(|known| known.id != node.id) {
-                        last.nodes.push(Arc::new(Node { turn_id: Some(last.turn.id.clone()), ..Node::clone(&node) }));
+                        let node = Node { turn_id: Some(last.turn.id.clone()), ..Arc::unwrap_or_clone(node) };
+                        last.nodes.push(Arc::new(node));
                     }
                 }
                 Arc::make_mut(&mut last.turn).pending_messages = unshared(&last.nodes);

@@ -8,10 +8,11 @@
 //! grew field by field (five reservations an event, ~250 instructions
 //! each) and reset its keep-alive timer after every event: 24k
 //! instructions of a streamed turn of the benchmark, 4.2%, against 11k
-//! here (callgrind, bench/analysis.md "Since the fiftieth run"). Here the keep-alive timer is not touched per event:
-//! it is checked every half interval, and a comment is sent when nothing
-//! was sent since the last check, so that a quiet stream carries something
-//! at least every [`KEEP_ALIVE`].
+//! here (callgrind, bench/analysis.md "Since the fiftieth run"). Here the
+//! keep-alive timer is not touched per event: it is checked every half
+//! interval, and a comment is sent when nothing was sent since the last
+//! check, so that a quiet stream carries something at least every
+//! [`KEEP_ALIVE`].
 
 use std::convert::Infallible;
 use std::future::Future;

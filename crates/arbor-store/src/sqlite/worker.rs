@@ -445,7 +445,7 @@ impl Writer {
                     }
                 }
                 let waited = group.waited;
-                commit_group(&session, group.take_all());
+                group.commit(&session);
                 let now = Instant::now();
                 lingering = Some(now + DEFERRED_WAIT);
                 if sync {
@@ -552,9 +552,11 @@ impl Group {
         self.waited > 0 || self.bodies.len() >= MAX_GROUP || self.due.is_some_and(|due| Instant::now() >= due)
     }
 
-    fn take_all(&mut self) -> Vec<WriteBody> {
+    /// Commits the writes taken ([`commit_group`]) and starts over, keeping
+    /// the buffer for the next group.
+    fn commit(&mut self, connection: &Session<'_, '_>) {
         (self.waited, self.due) = (0, None);
-        std::mem::take(&mut self.bodies)
+        commit_group(connection, &mut self.bodies);
     }
 }
 
@@ -589,17 +591,19 @@ fn restart_now(pages: c_int, limit: c_int, passed_limit: &mut Option<u32>, passe
     restart
 }
 
-/// Runs a group of writes in one transaction, commits, and answers them.
+/// Runs a group of writes in one transaction, commits, and answers them,
+/// leaving `group` empty.
 ///
 /// The writes run one after another without savepoints, which is what a
 /// group without a failing write needs. When one fails (or takes the whole
 /// transaction down with it, as a full disk does), the transaction is rolled
-/// back, that write is answered with its error, and the others run again
-/// in [`commit_in_savepoints`], where each can fail alone.
-fn commit_group(connection: &Session<'_, '_>, mut group: Vec<WriteBody>) {
+/// back, that write is answered with its error, and the others run (again,
+/// for those before it) in [`commit_in_savepoints`], where each can fail
+/// alone.
+fn commit_group(connection: &Session<'_, '_>, group: &mut Vec<WriteBody>) {
     if let Err(error) = execute(connection, "BEGIN IMMEDIATE") {
         let reason = format!("cannot begin a write: {error}");
-        group.into_iter().for_each(|write| write.answer(Err(&reason)));
+        group.drain(..).for_each(|write| write.answer(Err(&reason)));
         return;
     }
     let failed =
@@ -608,7 +612,8 @@ fn commit_group(connection: &Session<'_, '_>, mut group: Vec<WriteBody>) {
         commit(connection, group);
         return;
     };
-    // Undone whole: the writes before it run again, as do those after it.
+    // Undone whole: the writes before it run again, those after it for the
+    // first time.
     let _ = execute(connection, "ROLLBACK");
     answer_failed(group.remove(index), why);
     commit_in_savepoints(connection, group);
@@ -641,23 +646,24 @@ fn answer_failed(write: WriteBody, why: Failure) {
     match why {
         Failure::Panicked => {}
         Failure::TookTransaction => write.answer(Err("it was rolled back with its transaction")),
+        // Answered with its own error; the commit does not concern it.
         Failure::Returned => write.answer(Ok(())),
     }
 }
 
 /// Commits the open transaction and answers the writes in it.
-fn commit(connection: &Session<'_, '_>, mut writes: Vec<WriteBody>) {
+fn commit(connection: &Session<'_, '_>, writes: &mut Vec<WriteBody>) {
     match execute(connection, "COMMIT") {
-        Ok(()) => writes.into_iter().for_each(|write| write.answer(Ok(()))),
-        Err(error) => abandon(connection, &mut writes, &format!("the commit failed: {error}")),
+        Ok(()) => writes.drain(..).for_each(|write| write.answer(Ok(()))),
+        Err(error) => abandon(connection, writes, &format!("the commit failed: {error}")),
     }
 }
 
 /// Runs a group of writes in one transaction, each that joins it in a
 /// savepoint, commits, and answers them: a write that fails is undone alone.
-fn commit_in_savepoints(connection: &Session<'_, '_>, group: Vec<WriteBody>) {
+fn commit_in_savepoints(connection: &Session<'_, '_>, group: &mut Vec<WriteBody>) {
     let mut kept: Vec<WriteBody> = Vec::with_capacity(group.len());
-    for mut write in group {
+    for mut write in group.drain(..) {
         // A write that opens the transaction needs no savepoint: if it
         // fails, rolling the transaction back undoes it and nothing else.
         let opens = connection.is_autocommit();
@@ -694,7 +700,7 @@ fn commit_in_savepoints(connection: &Session<'_, '_>, group: Vec<WriteBody>) {
         // Abandoned, or every write failed: nothing is left to commit.
         return;
     }
-    commit(connection, kept);
+    commit(connection, &mut kept);
 }
 
 /// Rolls the group's transaction back and answers each write in it.
