@@ -18,4 +18,4 @@ pub mod tree;
 pub use cost::{Cost, Prices, Usage};
 pub use error::{ErrorCode, ProviderError};
 pub use event::{Event, EventName};
-pub use message::{Message, Node, Part, Role, ToolCall, ToolStatus};
+pub use message::{Message, Node, Part, Role, SharedMessage, ToolCall, ToolStatus};

@@ -5,6 +5,11 @@
 //! A [`Message`] is what a model reads; a [`Node`] is a message stored in a
 //! conversation's tree, with its id, parent and provenance.
 
+use std::borrow::Borrow;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -171,6 +176,82 @@ impl Message {
             })
             .sum();
         text + calls + parts
+    }
+}
+
+/// A message as a model call reads it: a node of the conversation's tree,
+/// shared with the tree, or a message standing alone.
+///
+/// A turn's request names the whole path from the root to the user's
+/// message. Sharing the tree's nodes makes that one pointer copy a message
+/// instead of a copy of every text, part and tool call on the path, which
+/// grows with the conversation and is made again on every turn.
+#[derive(Clone)]
+pub struct SharedMessage(Shared);
+
+#[derive(Clone)]
+enum Shared {
+    Node(Arc<Node>),
+    Alone(Arc<Message>),
+}
+
+impl SharedMessage {
+    /// Messages that stand alone (a one-off call, a test), shared.
+    pub fn all(messages: impl IntoIterator<Item = Message>) -> Vec<SharedMessage> {
+        messages.into_iter().map(SharedMessage::from).collect()
+    }
+
+    /// The message to change, copied first while anything else holds it
+    /// (a node with the tree that holds it: the tree keeps its own).
+    pub fn to_mut(&mut self) -> &mut Message {
+        match &mut self.0 {
+            Shared::Node(node) => &mut Arc::make_mut(node).message,
+            Shared::Alone(message) => Arc::make_mut(message),
+        }
+    }
+}
+
+impl Deref for SharedMessage {
+    type Target = Message;
+
+    fn deref(&self) -> &Message {
+        match &self.0 {
+            Shared::Node(node) => &node.message,
+            Shared::Alone(message) => message,
+        }
+    }
+}
+
+impl Borrow<Message> for SharedMessage {
+    fn borrow(&self) -> &Message {
+        self
+    }
+}
+
+impl From<Message> for SharedMessage {
+    fn from(message: Message) -> SharedMessage {
+        SharedMessage(Shared::Alone(Arc::new(message)))
+    }
+}
+
+/// The node's message, without a copy.
+impl From<Arc<Node>> for SharedMessage {
+    fn from(node: Arc<Node>) -> SharedMessage {
+        SharedMessage(Shared::Node(node))
+    }
+}
+
+/// Shown and compared as the message it is: where it is held is not part
+/// of it.
+impl fmt::Debug for SharedMessage {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        Message::fmt(self, formatter)
+    }
+}
+
+impl PartialEq for SharedMessage {
+    fn eq(&self, other: &SharedMessage) -> bool {
+        **self == **other
     }
 }
 

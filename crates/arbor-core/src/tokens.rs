@@ -1,6 +1,8 @@
 //! Token estimation: about one token per four characters, the rule the
 //! context manager uses between provider-reported counts.
 
+use std::borrow::Borrow;
+
 use crate::message::Message;
 
 /// Estimated tokens for `chars` characters of text.
@@ -10,8 +12,8 @@ pub fn estimate_from_chars(chars: usize) -> u64 {
 
 /// Estimated input tokens for a list of messages (plus a small per-message
 /// overhead for the role and framing each provider adds).
-pub fn estimate_messages(messages: &[Message]) -> u64 {
-    messages.iter().map(estimate_message).sum()
+pub fn estimate_messages<M: Borrow<Message>>(messages: &[M]) -> u64 {
+    messages.iter().map(|message| estimate_message(message.borrow())).sum()
 }
 
 /// Estimated input tokens for one message, framing included.

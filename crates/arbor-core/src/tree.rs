@@ -78,13 +78,18 @@ impl Tree {
     }
 
     pub fn get(&self, id: &str) -> Option<&Node> {
-        let hash = self.hasher.hash_one(id);
-        self.by_id.find(hash, |&known| self.nodes[known].id == id).map(|&position| &*self.nodes[position])
+        self.shared(id).map(|node| &**node)
     }
 
-    /// The nodes in creation order.
-    pub fn nodes(&self) -> impl ExactSizeIterator<Item = &Node> {
-        self.nodes.iter().map(|node| &**node)
+    /// The node as the tree holds it, to share it.
+    fn shared(&self, id: &str) -> Option<&Arc<Node>> {
+        let hash = self.hasher.hash_one(id);
+        self.by_id.find(hash, |&known| self.nodes[known].id == id).map(|&position| &self.nodes[position])
+    }
+
+    /// The nodes in creation order, as the tree shares them.
+    pub fn nodes(&self) -> impl ExactSizeIterator<Item = &Arc<Node>> {
+        self.nodes.iter()
     }
 
     pub fn len(&self) -> usize {
@@ -103,15 +108,18 @@ impl Tree {
     /// The path from the root to `leaf` (inclusive), oldest first. Empty when
     /// `leaf` is unknown. A parent cycle (which the store never writes) stops
     /// the walk instead of looping.
-    pub fn path_to(&self, leaf: &str) -> Vec<&Node> {
+    ///
+    /// The nodes come as the tree shares them, so that a model call's
+    /// request can share them too ([`crate::message::SharedMessage`]).
+    pub fn path_to(&self, leaf: &str) -> Vec<&Arc<Node>> {
         let mut path = Vec::new();
-        let mut current = self.get(leaf);
+        let mut current = self.shared(leaf);
         while let Some(node) = current {
             if path.len() > self.nodes.len() {
                 break;
             }
             path.push(node);
-            current = node.parent_id.as_deref().and_then(|parent| self.get(parent));
+            current = node.parent_id.as_deref().and_then(|parent| self.shared(parent));
         }
         path.reverse();
         path
@@ -197,6 +205,7 @@ pub fn merge_view(tree: &Tree, view: &[ViewMessage]) -> Result<MergePlan, MergeE
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::message::SharedMessage;
 
     #[test]
     fn a_tree_knows_about_how_much_memory_its_messages_hold() {
@@ -219,6 +228,21 @@ mod tests {
         tree.push(reply.clone());
         assert!(std::ptr::eq(tree.get("b").expect("b is in the tree"), &*reply));
         assert_eq!(tree.path_to("b").len(), 2);
+    }
+
+    #[test]
+    fn a_path_shares_the_trees_nodes_and_a_request_reads_them_in_place() {
+        let root = Arc::new(node("a", None));
+        let mut tree = Tree::new(Vec::new());
+        tree.push(root.clone());
+        tree.push(node("b", Some("a")));
+        let path = tree.path_to("b");
+        assert!(Arc::ptr_eq(path[0], &root), "the path holds the tree's own node");
+        let shared: Vec<SharedMessage> = path.into_iter().map(|node| SharedMessage::from(Arc::clone(node))).collect();
+        assert!(std::ptr::eq(&*shared[0], &root.message), "the request reads the node's message, not a copy");
+        assert_eq!(Arc::strong_count(&root), 3, "the test's, the tree's and the request's");
+        assert_eq!(shared, SharedMessage::all([Message::user("a"), Message::user("b")]), "compared as messages");
+        assert_eq!(format!("{:?}", shared[1]), format!("{:?}", Message::user("b")), "shown as the message");
     }
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {
@@ -339,7 +363,7 @@ mod tests {
             match plan {
                 MergePlan::MoveHead { to } => (tree.clone(), to.clone()),
                 MergePlan::Append { parent, messages, .. } => {
-                    let mut nodes: Vec<Node> = tree.nodes().cloned().collect();
+                    let mut nodes: Vec<Node> = tree.nodes().map(|node| Node::clone(node)).collect();
                     let mut parent = parent.clone();
                     for (index, message) in messages.iter().enumerate() {
                         let id = message.id.clone().unwrap_or_else(|| format!("generated{index}"));

@@ -156,7 +156,8 @@ impl TurnHandle {
 #[derive(Debug, Clone)]
 pub struct ConversationTree {
     pub conversation: Conversation,
-    pub messages: Vec<Node>,
+    /// Shared with the conversation's tree when it is in memory.
+    pub messages: Vec<Arc<Node>>,
 }
 
 /// A turn with its api calls.
@@ -514,15 +515,15 @@ impl Engine {
             Some(hub) => {
                 self.inner.tree(&hub, &conversation.id, conversation.head_version).await?.nodes().cloned().collect()
             }
-            None => self.inner.store.messages(&conversation.id).await?,
+            None => self.inner.store.messages(&conversation.id).await?.into_iter().map(Arc::new).collect(),
         };
         Ok(ConversationTree { conversation, messages })
     }
 
     /// The conversation with only its active path (root to head, the
     /// context a turn sends). Walked in the busy conversation's tree in
-    /// memory, or in one read from the store: only the path's messages are
-    /// copied.
+    /// memory, or in one read from the store. The messages are the tree's,
+    /// shared: none is copied.
     pub async fn conversation_path(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
         let Some(head) = conversation.head_id.as_deref() else {

@@ -256,7 +256,7 @@ impl Engine {
                 copied_from: Some(node.id.clone()),
                 turn_id: None,
                 created_at: now,
-                ..node.clone()
+                ..Node::clone(node)
             })
             .collect();
         let head_version = self.inner.store.append_messages(&copies, now).await?;
@@ -675,7 +675,7 @@ impl Inner {
             None => Some(turn.user_message_id.as_str()),
         };
         let path = anchor.map(|anchor| tree.path_to(anchor)).unwrap_or_default();
-        let messages = path.into_iter().chain(nodes.iter().map(|node| &**node)).map(|node| &node.message);
+        let messages = path.into_iter().chain(nodes).map(|node| &node.message);
         Ok(reservation_for(self, &queued.user.id, &queued.model, conversation.system_prompt.as_deref(), messages))
     }
 

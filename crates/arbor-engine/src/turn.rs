@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use arbor_core::event::{DonePayload, ErrorPayload};
 use arbor_core::ids::{new_id, now_millis};
-use arbor_core::message::NodeStatus;
+use arbor_core::message::{NodeStatus, SharedMessage};
 use arbor_core::{Cost, ErrorCode, EventName, Message, Node, ProviderError, Usage};
 use arbor_providers::{ChatRequest, Chunk, Collected};
 use arbor_store::{ApiCall, Conversation, Turn, TurnStatus, User};
@@ -355,13 +355,14 @@ impl TurnTask {
     /// Runs the model call and records it. Returns the assistant message.
     async fn drive(&mut self) -> Result<Option<Arc<Node>>, arbor_store::StoreError> {
         let tree = self.inner.tree(&self.hub, &self.conversation.id, self.conversation.head_version).await?;
-        let path: Vec<Message> = tree
+        // The request shares the tree's nodes: no text on the path is copied.
+        let path: Vec<SharedMessage> = tree
             .path_to(&self.turn.user_message_id)
             .into_iter()
             .filter(|node| {
                 !(node.status == NodeStatus::Interrupted && node.message.content.as_deref().unwrap_or("").is_empty())
             })
-            .map(|node| node.message.clone())
+            .map(|node| SharedMessage::from(Arc::clone(node)))
             .collect();
         // Let go before the reply is added: the hub's copy then grows in
         // place instead of being cloned whole (`Arc::make_mut`) every turn.

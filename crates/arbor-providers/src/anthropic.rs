@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
+use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolStatus, Usage};
 use bytes::Bytes;
 use futures_util::Stream;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
@@ -277,7 +277,7 @@ fn thinking_budget(reasoning: &crate::Reasoning) -> Option<u32> {
 /// refuses such a history ("a final assistant message must start with a
 /// thinking block"), so this one call goes without thinking; the next user
 /// message starts a fresh loop where thinking is on again.
-fn unsigned_tool_loop(messages: &[Message]) -> bool {
+fn unsigned_tool_loop(messages: &[SharedMessage]) -> bool {
     let current = messages.iter().rposition(|message| message.role == Role::User).map_or(0, |last| last + 1);
     let Some(last_assistant) = messages[current..].iter().rev().find(|message| message.role == Role::Assistant) else {
         return false;
@@ -294,7 +294,7 @@ fn unsigned_tool_loop(messages: &[Message]) -> bool {
 /// merged into one turn, because the API wants user and assistant to
 /// alternate and wants all results of one round of tool calls in the single
 /// user turn that follows it.
-fn build_messages(messages: &[Message]) -> Result<Vec<WireMessage<'_>>, ProviderError> {
+fn build_messages(messages: &[SharedMessage]) -> Result<Vec<WireMessage<'_>>, ProviderError> {
     let mut turns: Vec<WireMessage<'_>> = Vec::new();
     for message in messages {
         let (role, blocks) = match message.role {
@@ -849,7 +849,7 @@ mod tests {
     fn thinking_changes_max_tokens_default_and_drops_other_temperatures() {
         let request = ChatRequest {
             model: "claude-sonnet-4-5".into(),
-            messages: vec![Message::user("hi")],
+            messages: SharedMessage::all([Message::user("hi")]),
             temperature: Some(0.3),
             reasoning: Some(crate::Reasoning { effort: None, budget_tokens: Some(8000) }),
             ..ChatRequest::default()
@@ -880,13 +880,13 @@ mod tests {
         assistant.tool_calls = vec![first.clone(), second.clone()];
         let request = ChatRequest {
             model: "m".into(),
-            messages: vec![
+            messages: SharedMessage::all([
                 Message::user("add"),
                 assistant,
                 Message::tool_result(&first, ToolStatus::Success, "2"),
                 Message::tool_result(&second, ToolStatus::Denied, "the user said no"),
                 Message::user("and now?"),
-            ],
+            ]),
             ..ChatRequest::default()
         };
         let body = request_body(&request, true).expect("builds");

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use arbor_core::tokens::estimate_messages;
-use arbor_core::{ErrorCode, Message, ProviderError, Role, Usage};
+use arbor_core::{ErrorCode, Message, ProviderError, Role, SharedMessage, Usage};
 use futures_util::stream;
 
 use crate::{ChatRequest, Chunk, ChunkStream, FinishReason, Provider};
@@ -24,7 +24,7 @@ impl Default for DemoProvider {
 }
 
 /// The demo's reply to a conversation: it echoes the last user message.
-pub fn demo_reply(messages: &[Message]) -> String {
+pub fn demo_reply(messages: &[SharedMessage]) -> String {
     let last_user = messages
         .iter()
         .rev()
@@ -100,7 +100,7 @@ mod tests {
         let provider = DemoProvider { chunk_delay: Duration::ZERO };
         let request = ChatRequest {
             model: "demo".into(),
-            messages: vec![Message::user("hello there")],
+            messages: SharedMessage::all([Message::user("hello there")]),
             ..ChatRequest::default()
         };
         let first = collect_stream(provider.stream(request.clone()).await.expect("starts")).await.expect("streams");

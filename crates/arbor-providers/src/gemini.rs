@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolStatus, Usage};
+use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolStatus, Usage};
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use hyper::header::{HeaderMap, HeaderName};
@@ -296,7 +296,7 @@ enum TurnKind {
 /// a turn (all results of one round of calls must answer it together), but
 /// function responses keep a turn of their own, apart from user text, as
 /// Gemini's own clients send them.
-fn build_contents<'a>(messages: &'a [Message], model: &str) -> Result<Vec<Content<'a>>, ProviderError> {
+fn build_contents<'a>(messages: &'a [SharedMessage], model: &str) -> Result<Vec<Content<'a>>, ProviderError> {
     // Gemini matches a response to its call by name, so a tool result
     // without a name borrows its call's.
     let mut call_names: HashMap<&str, &str> = HashMap::new();

@@ -18,7 +18,7 @@ pub mod sse;
 use std::pin::Pin;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{Message, ProviderError, Usage};
+use arbor_core::{ProviderError, SharedMessage, Usage};
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -53,7 +53,8 @@ pub struct ChatRequest {
     /// The system prompt; adapters place it where their provider wants it.
     pub system: Option<String>,
     /// The conversation path, oldest first. No `system` messages here.
-    pub messages: Vec<Message>,
+    /// Shared with the conversation's tree, not copied from it.
+    pub messages: Vec<SharedMessage>,
     pub tools: Vec<ToolSpec>,
     pub max_output_tokens: Option<u32>,
     pub temperature: Option<f32>,

@@ -14,7 +14,7 @@
 use std::fmt;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolCall, Usage};
+use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolCall, Usage};
 use bytes::Bytes;
 use futures_util::{Stream, stream};
 use hyper::Uri;
@@ -329,7 +329,11 @@ fn wire_tool(tool: &ToolSpec) -> WireTool<'_> {
     }
 }
 
-fn wire_messages<'a>(system: Option<&'a str>, messages: &'a [Message], send_signatures: bool) -> Vec<WireMessage<'a>> {
+fn wire_messages<'a>(
+    system: Option<&'a str>,
+    messages: &'a [SharedMessage],
+    send_signatures: bool,
+) -> Vec<WireMessage<'a>> {
     let mut wire = Vec::with_capacity(messages.len() + 1);
     if let Some(system) = system.filter(|text| !text.is_empty()) {
         wire.push(WireMessage {
@@ -1168,7 +1172,7 @@ mod tests {
         let request = ChatRequest {
             model: "m".into(),
             system: Some("be brief".into()),
-            messages: vec![
+            messages: SharedMessage::all([
                 Message::user("add"),
                 Message {
                     parts: vec![Part::Thinking { text: "hmm".into(), signature: None }],
@@ -1177,7 +1181,7 @@ mod tests {
                     ..Message::assistant("")
                 },
                 Message::tool_result(&call, arbor_core::ToolStatus::Success, "2"),
-            ],
+            ]),
             max_output_tokens: Some(10),
             temperature: Some(0.1),
             reasoning: Some(Reasoning { effort: Some("low".into()), budget_tokens: None }),
@@ -1224,7 +1228,11 @@ mod tests {
         });
         let request = ChatRequest {
             model: "m".into(),
-            messages: vec![user, Message { tool_calls: vec![call], content: None, ..Message::assistant("") }, result],
+            messages: SharedMessage::all([
+                user,
+                Message { tool_calls: vec![call], content: None, ..Message::assistant("") },
+                result,
+            ]),
             ..ChatRequest::default()
         };
         let body = provider("http://x/v1").request_body(&request, false);
@@ -1257,7 +1265,7 @@ mod tests {
         };
         let request = ChatRequest {
             model: "m".into(),
-            messages: vec![Message { tool_calls: vec![call], content: None, ..Message::assistant("") }],
+            messages: SharedMessage::all([Message { tool_calls: vec![call], content: None, ..Message::assistant("") }]),
             ..ChatRequest::default()
         };
         let google = provider("https://generativelanguage.googleapis.com/v1beta/openai").request_body(&request, false);

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolCall, ToolStatus, Usage};
+use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolCall, ToolStatus, Usage};
 use arbor_providers::anthropic::{self, StreamDecoder};
 use arbor_providers::http::ErrorResponse;
 use arbor_providers::sse::byte_chunks;
@@ -434,7 +434,7 @@ fn plain_requests_are_rebuilt() {
         &ChatRequest {
             model: "claude-3-opus-latest".into(),
             system: Some("You are a helpful assistant.\n\n".into()),
-            messages: vec![user_text("What is the capital of France?")],
+            messages: SharedMessage::all([user_text("What is the capital of France?")]),
             max_output_tokens: Some(4096),
             ..ChatRequest::default()
         },
@@ -443,7 +443,7 @@ fn plain_requests_are_rebuilt() {
         "stream-text.request.json",
         &ChatRequest {
             model: "claude-haiku-4-5-20251001".into(),
-            messages: vec![user_text("Say just hello")],
+            messages: SharedMessage::all([user_text("Say just hello")]),
             max_output_tokens: Some(8192),
             temperature: Some(1.0),
             ..ChatRequest::default()
@@ -454,7 +454,7 @@ fn plain_requests_are_rebuilt() {
         "error-401-authentication.request.json",
         &ChatRequest {
             model: "claude-3-7-sonnet-20250219".into(),
-            messages: vec![user_text("Hello, world!")],
+            messages: SharedMessage::all([user_text("Hello, world!")]),
             max_output_tokens: Some(100),
             temperature: Some(0.5),
             ..ChatRequest::default()
@@ -464,7 +464,7 @@ fn plain_requests_are_rebuilt() {
         "error-404-not-found-model.request.json",
         &ChatRequest {
             model: "claude-sonet-4-5".into(),
-            messages: vec![user_text("hello")],
+            messages: SharedMessage::all([user_text("hello")]),
             max_output_tokens: Some(4096),
             ..ChatRequest::default()
         },
@@ -477,7 +477,7 @@ fn thinking_requests_are_rebuilt() {
         "stream-thinking.request.json",
         &ChatRequest {
             model: "claude-haiku-4-5-20251001".into(),
-            messages: vec![user_text("Two names for a pet pelican, be brief")],
+            messages: SharedMessage::all([user_text("Two names for a pet pelican, be brief")]),
             max_output_tokens: Some(8192),
             temperature: Some(1.0),
             reasoning: thinking(1024),
@@ -488,7 +488,7 @@ fn thinking_requests_are_rebuilt() {
         "messages-thinking.request.json",
         &ChatRequest {
             model: "claude-sonnet-4-5".into(),
-            messages: vec![user_text("How do I cross the street?")],
+            messages: SharedMessage::all([user_text("How do I cross the street?")]),
             max_output_tokens: Some(4096),
             reasoning: thinking(1024),
             ..ChatRequest::default()
@@ -500,7 +500,7 @@ fn thinking_requests_are_rebuilt() {
             name,
             &ChatRequest {
                 model: "claude-sonnet-4-5-20250929".into(),
-                messages: vec![user_text(magic)],
+                messages: SharedMessage::all([user_text(magic)]),
                 max_output_tokens: Some(4096),
                 reasoning: thinking(1024),
                 ..ChatRequest::default()
@@ -517,7 +517,7 @@ fn image_requests_are_rebuilt() {
     message.parts = vec![image(None, Some(data), Some("image/png"))];
     let request = ChatRequest {
         model: "claude-sonnet-4-5".into(),
-        messages: vec![message],
+        messages: SharedMessage::all([message]),
         max_output_tokens: Some(8192),
         temperature: Some(1.0),
         ..ChatRequest::default()
@@ -527,10 +527,10 @@ fn image_requests_are_rebuilt() {
     // The same image as a data URL, or without a mime type, gives the same
     // request: the type is read from the URL or from the PNG signature.
     let mut from_data_url = request.clone();
-    from_data_url.messages[0].parts = vec![image(Some(&format!("data:image/png;base64,{data}")), None, None)];
+    from_data_url.messages[0].to_mut().parts = vec![image(Some(&format!("data:image/png;base64,{data}")), None, None)];
     assert_rebuilt("stream-image-base64-input.request.json", &from_data_url);
     let mut sniffed = request.clone();
-    sniffed.messages[0].parts = vec![image(None, Some(data), None)];
+    sniffed.messages[0].to_mut().parts = vec![image(None, Some(data), None)];
     assert_rebuilt("stream-image-base64-input.request.json", &sniffed);
 
     let mut message = user_text("describe image");
@@ -539,7 +539,7 @@ fn image_requests_are_rebuilt() {
         "stream-image-url-input.request.json",
         &ChatRequest {
             model: "claude-sonnet-4-5".into(),
-            messages: vec![message],
+            messages: SharedMessage::all([message]),
             max_output_tokens: Some(8192),
             temperature: Some(1.0),
             ..ChatRequest::default()
@@ -561,7 +561,7 @@ fn tool_requests_are_rebuilt() {
         "stream-tool-use-with-args.request.json",
         &ChatRequest {
             model: "claude-3-opus-20240229".into(),
-            messages: vec![user_text("What is the weather in San Francisco, CA?")],
+            messages: SharedMessage::all([user_text("What is the weather in San Francisco, CA?")]),
             tools: vec![ToolSpec {
                 name: "get_weather".into(),
                 description: "Get the weather for a specific location".into(),
@@ -575,7 +575,7 @@ fn tool_requests_are_rebuilt() {
         "stream-tool-use-parallel-empty-input.request.json",
         &ChatRequest {
             model: "claude-haiku-4-5-20251001".into(),
-            messages: vec![user_text("Two names for a pet pelican")],
+            messages: SharedMessage::all([user_text("Two names for a pet pelican")]),
             tools: vec![pelican_tool()],
             max_output_tokens: Some(8192),
             temperature: Some(1.0),
@@ -592,7 +592,9 @@ fn tool_requests_are_rebuilt() {
                     .expect("system")
                     .into(),
             ),
-            messages: vec![user_text("Alice, Bob, Charlie and Daisy are a family. Who is the youngest?")],
+            messages: SharedMessage::all([user_text(
+                "Alice, Bob, Charlie and Daisy are a family. Who is the youngest?",
+            )]),
             tools: vec![ToolSpec {
                 name: "retrieve_entity_info".into(),
                 description: "Get the knowledge about the given entity.".into(),
@@ -626,7 +628,7 @@ fn the_recorded_tool_round_trip_is_rebuilt_from_the_streamed_reply() {
         "stream-text-after-tool-results.request.json",
         &ChatRequest {
             model: "claude-haiku-4-5-20251001".into(),
-            messages,
+            messages: SharedMessage::all(messages),
             tools: vec![pelican_tool()],
             max_output_tokens: Some(8192),
             temperature: Some(1.0),
@@ -640,11 +642,11 @@ fn the_recorded_thinking_round_trip_is_rebuilt_byte_for_byte() {
     let reply = response("messages-thinking.response.json");
     let request = ChatRequest {
         model: "claude-sonnet-4-5".into(),
-        messages: vec![
+        messages: SharedMessage::all([
             user_text("How do I cross the street?"),
             reply.message(),
             user_text("Considering the way to cross the street, analogously, how do I cross the river?"),
-        ],
+        ]),
         max_output_tokens: Some(4096),
         reasoning: thinking(1024),
         ..ChatRequest::default()
@@ -683,11 +685,11 @@ fn thinking_from_other_providers_is_dropped_cleanly() {
     };
     let request = ChatRequest {
         model: "claude-sonnet-4-5".into(),
-        messages: vec![
+        messages: SharedMessage::all([
             user_text("look up x"),
             assistant,
             Message::tool_result(&call, ToolStatus::Error, "lookup failed: timeout"),
-        ],
+        ]),
         reasoning: thinking(2048),
         ..ChatRequest::default()
     };
@@ -710,8 +712,8 @@ fn thinking_from_other_providers_is_dropped_cleanly() {
     assert_eq!(body.get("thinking"), None);
     // ...and the next user message starts a loop where thinking is on again.
     let mut next = request.clone();
-    next.messages.push(Message::assistant("The lookup failed."));
-    next.messages.push(user_text("try again"));
+    next.messages.push(Message::assistant("The lookup failed.").into());
+    next.messages.push(user_text("try again").into());
     let body = anthropic::request_body(&next, true).expect("builds");
     assert_eq!(body["thinking"], json!({"type": "enabled", "budget_tokens": 2048}));
 }

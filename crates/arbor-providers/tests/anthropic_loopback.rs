@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use arbor_core::{ErrorCode, Message, Part, ToolStatus};
+use arbor_core::{ErrorCode, Message, Part, SharedMessage, ToolStatus};
 use arbor_providers::anthropic::{AnthropicConfig, AnthropicProvider};
 use arbor_providers::http::HttpTimeouts;
 use arbor_providers::{ChatRequest, FinishReason, Provider, Reasoning, ToolSpec, collect_stream};
@@ -50,7 +50,7 @@ async fn streams_with_the_right_url_headers_and_body() {
         let request = ChatRequest {
             model: "claude-haiku-4-5".into(),
             system: Some("Be brief.".into()),
-            messages: vec![Message::user("Two names for a pet pelican")],
+            messages: SharedMessage::all([Message::user("Two names for a pet pelican")]),
             reasoning: Some(Reasoning { effort: None, budget_tokens: Some(1024) }),
             ..ChatRequest::default()
         };
@@ -84,7 +84,7 @@ async fn complete_reads_a_non_streamed_reply() {
         let reply = provider
             .complete(ChatRequest {
                 model: "claude-haiku-4-5".into(),
-                messages: vec![Message::user("Who is the youngest?")],
+                messages: SharedMessage::all([Message::user("Who is the youngest?")]),
                 ..ChatRequest::default()
             })
             .await
@@ -144,7 +144,7 @@ async fn a_tool_loop_with_thinking_sends_the_signed_block_back_unchanged() {
         };
         let mut request = ChatRequest {
             model: "claude-haiku-4-5".into(),
-            messages: vec![Message::user("Two names for a pet pelican, be brief")],
+            messages: SharedMessage::all([Message::user("Two names for a pet pelican, be brief")]),
             tools: vec![tool],
             reasoning: Some(Reasoning {
                 effort: None,
@@ -158,10 +158,8 @@ async fn a_tool_loop_with_thinking_sends_the_signed_block_back_unchanged() {
         assert_eq!(first.finish, Some(FinishReason::ToolCalls));
         let call = first.tool_calls[0].clone();
         assert_eq!(call.arguments, json!({"style": "brief"}));
-        request.messages.push(first.message());
-        request
-            .messages
-            .push(Message::tool_result(&call, ToolStatus::Success, "Pouch"));
+        request.messages.push(first.message().into());
+        request.messages.push(Message::tool_result(&call, ToolStatus::Success, "Pouch").into());
         let second = collect_stream(provider.stream(request).await.expect("starts"))
             .await
             .expect("round two");
@@ -199,7 +197,7 @@ async fn status_529_is_overloaded_and_429_carries_retry_after() {
             start(vec![Reply::json(529, read(WRITTEN, "error-529-overloaded.response.json")), rate_limited]).await;
         let request = ChatRequest {
             model: "claude-haiku-4-5".into(),
-            messages: vec![Message::user("hi")],
+            messages: SharedMessage::all([Message::user("hi")]),
             ..ChatRequest::default()
         };
         let error = provider.stream(request.clone()).await.err().expect("529 fails before the stream");
@@ -220,7 +218,7 @@ async fn an_error_event_inside_a_200_stream_ends_it_with_the_code() {
         let mut stream = provider
             .stream(ChatRequest {
                 model: "claude-haiku-4-5".into(),
-                messages: vec![Message::user("hi")],
+                messages: SharedMessage::all([Message::user("hi")]),
                 ..ChatRequest::default()
             })
             .await

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, ToolCall, ToolStatus, Usage};
+use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolCall, ToolStatus, Usage};
 use arbor_providers::gemini::{self, StreamDecoder, gemini_schema};
 use arbor_providers::http::ErrorResponse;
 use arbor_providers::sse::byte_chunks;
@@ -486,7 +486,12 @@ fn assert_rebuilt(name: &str, request: &ChatRequest) {
 }
 
 fn chat(model: &str, system: Option<&str>, messages: Vec<Message>) -> ChatRequest {
-    ChatRequest { model: model.into(), system: system.map(Into::into), messages, ..ChatRequest::default() }
+    ChatRequest {
+        model: model.into(),
+        system: system.map(Into::into),
+        messages: SharedMessage::all(messages),
+        ..ChatRequest::default()
+    }
 }
 
 fn tool(name: &str, description: &str, parameters: Value) -> ToolSpec {
@@ -854,11 +859,11 @@ fn a_gemini_history_goes_to_anthropic_without_gemini_signatures() {
     let call = reply.tool_calls[0].clone();
     let request = ChatRequest {
         model: "claude-sonnet-4-5".into(),
-        messages: vec![
+        messages: SharedMessage::all([
             Message::user("What is the capital of the user country? Call the tool"),
             reply.message(),
             Message::tool_result(&call, ToolStatus::Success, "Mexico"),
-        ],
+        ]),
         tools: vec![tool("get_country", "", json!({"type": "object", "properties": {}}))],
         ..ChatRequest::default()
     };
@@ -880,7 +885,11 @@ fn a_gemini_history_goes_to_anthropic_without_gemini_signatures() {
     let (_, thinking) = sse("stream-thinking-sse.response.sse");
     let request = ChatRequest {
         model: "claude-sonnet-4-5".into(),
-        messages: vec![Message::user("How do I cross the street?"), thinking.message(), Message::user("and a river?")],
+        messages: SharedMessage::all([
+            Message::user("How do I cross the street?"),
+            thinking.message(),
+            Message::user("and a river?"),
+        ]),
         ..ChatRequest::default()
     };
     let body = anthropic::request_body(&request, true).expect("builds");

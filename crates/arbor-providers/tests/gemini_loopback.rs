@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use arbor_core::{ErrorCode, Message, ToolStatus};
+use arbor_core::{ErrorCode, Message, SharedMessage, ToolStatus};
 use arbor_providers::gemini::{GeminiConfig, GeminiProvider};
 use arbor_providers::http::HttpTimeouts;
 use arbor_providers::{ChatRequest, FinishReason, Provider, ToolSpec, collect_stream};
@@ -42,7 +42,7 @@ async fn start(replies: Vec<Reply>) -> (Mock, GeminiProvider) {
 }
 
 fn ask(model: &str, text: &str) -> ChatRequest {
-    ChatRequest { model: model.into(), messages: vec![Message::user(text)], ..ChatRequest::default() }
+    ChatRequest { model: model.into(), messages: SharedMessage::all([Message::user(text)]), ..ChatRequest::default() }
 }
 
 #[tokio::test]
@@ -121,8 +121,8 @@ async fn a_tool_loop_sends_the_thought_signature_back_unchanged() {
         let first = collect_stream(provider.stream(request.clone()).await.expect("starts")).await.expect("round one");
         assert_eq!(first.finish, Some(FinishReason::ToolCalls));
         let call = first.tool_calls[0].clone();
-        request.messages.push(first.message());
-        request.messages.push(Message::tool_result(&call, ToolStatus::Success, "Mexico"));
+        request.messages.push(first.message().into());
+        request.messages.push(Message::tool_result(&call, ToolStatus::Success, "Mexico").into());
         let second = collect_stream(provider.stream(request).await.expect("starts")).await.expect("round two");
         assert_eq!(second.text, "The capital of Mexico is Mexico City.");
 

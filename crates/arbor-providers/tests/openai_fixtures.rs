@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use arbor_core::message::ProviderOpaque;
-use arbor_core::{ErrorCode, Message, Part, ProviderError, ToolCall, ToolStatus, Usage};
+use arbor_core::{ErrorCode, Message, Part, ProviderError, SharedMessage, ToolCall, ToolStatus, Usage};
 use arbor_providers::http::ErrorResponse;
 use arbor_providers::openai::{
     MaxTokensField, OpenAiConfig, OpenAiProvider, decode_stream, error_from_response, parse_response,
@@ -508,7 +508,7 @@ fn recorded_tools(case: &str) -> Vec<ToolSpec> {
 }
 
 fn request(model: &str, messages: Vec<Message>) -> ChatRequest {
-    ChatRequest { model: model.into(), messages, ..ChatRequest::default() }
+    ChatRequest { model: model.into(), messages: SharedMessage::all(messages), ..ChatRequest::default() }
 }
 
 fn assistant_calls(calls: Vec<ToolCall>) -> Message {

@@ -12,7 +12,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use arbor_core::{ErrorCode, Message, ProviderError};
+use arbor_core::{ErrorCode, Message, ProviderError, SharedMessage};
 use arbor_providers::http::HttpTimeouts;
 use arbor_providers::openai::{OpenAiConfig, OpenAiProvider};
 use arbor_providers::{ChatRequest, Chunk, ChunkStream, FinishReason, Provider, collect_stream};
@@ -152,7 +152,7 @@ fn chat(model: &str) -> ChatRequest {
     ChatRequest {
         model: model.into(),
         system: Some("be brief".into()),
-        messages: vec![Message::user("hi")],
+        messages: SharedMessage::all([Message::user("hi")]),
         ..ChatRequest::default()
     }
 }

@@ -1,6 +1,7 @@
 //! How stored records look on the wire. Times are RFC 3339 text; money is
 //! credits (integers) with cents of a dollar derived for display.
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 
 use arbor_core::Cost;
@@ -49,15 +50,16 @@ pub struct NodeView<'a> {
 }
 
 /// Tree nodes with their children's ids, in creation order.
-pub fn nodes(nodes: &[Node]) -> Vec<NodeView<'_>> {
+pub fn nodes<N: Borrow<Node>>(nodes: &[N]) -> Vec<NodeView<'_>> {
     let mut children: HashMap<&str, Vec<&str>> = HashMap::new();
-    for node in nodes {
+    for node in nodes.iter().map(N::borrow) {
         if let Some(parent) = node.parent_id.as_deref() {
             children.entry(parent).or_default().push(&node.id);
         }
     }
     nodes
         .iter()
+        .map(N::borrow)
         .map(|node| NodeView { node, children: children.remove(node.id.as_str()).unwrap_or_default() })
         .collect()
 }
@@ -134,4 +136,71 @@ pub fn api_call(call: &ApiCall) -> Value {
         "cost_cents_usd": cost.cents_usd(),
         "created_at": rfc3339(call.created_at),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use arbor_core::message::{NodeStatus, ProviderOpaque};
+    use arbor_core::{Message, Part, Role, ToolCall, ToolStatus};
+    use serde_json::json;
+
+    use super::*;
+
+    /// What `Node` itself serializes to, with the children's ids beside it.
+    fn flattened(node: &Node, children: &[&str]) -> Value {
+        let mut value = serde_json::to_value(node).expect("a node serializes");
+        value["children"] = json!(children);
+        value
+    }
+
+    #[test]
+    fn a_node_view_is_the_node_as_it_serializes_with_its_children() {
+        let opaque = || Some(ProviderOpaque { provider: "anthropic".into(), data: "sig".into() });
+        let call =
+            ToolCall { id: "call_1".into(), name: "add".into(), arguments: json!({"a": 1}), signature: opaque() };
+        let full = Node {
+            id: "m2".into(),
+            conversation_id: "c1".into(),
+            parent_id: Some("m1".into()),
+            message: Message {
+                role: Role::Assistant,
+                content: Some("two \"quoted\" words".into()),
+                parts: vec![
+                    Part::Thinking { text: "hmm".into(), signature: opaque() },
+                    Part::Image {
+                        media_id: Some("med_1".into()),
+                        url: None,
+                        data: Some("aGk=".into()),
+                        mime_type: Some("image/png".into()),
+                    },
+                ],
+                tool_calls: vec![call],
+                tool_call_id: Some("call_0".into()),
+                tool_name: Some("lookup".into()),
+                tool_status: Some(ToolStatus::Denied),
+            },
+            model: Some("gpt-4o-mini".into()),
+            provider: Some("openai".into()),
+            turn_id: Some("t1".into()),
+            copied_from: Some("m0".into()),
+            status: NodeStatus::Interrupted,
+            created_at: 1_764_000_000_123,
+        };
+        let bare = Node::new("m1", "c1", None, Message::user("hi"), 0);
+        let shown = |list: &[Node]| serde_json::to_value(nodes(list)).expect("views serialize");
+        assert_eq!(shown(std::slice::from_ref(&full)), json!([flattened(&full, &[])]));
+        assert_eq!(
+            shown(&[bare.clone(), full.clone()]),
+            json!([flattened(&bare, &["m2"]), flattened(&full, &[])]),
+            "the user message has the reply as its child"
+        );
+        let bare_view = serde_json::to_value(leaf(&bare)).expect("serializes");
+        for absent in ["parts", "tool_calls", "tool_call_id", "tool_name", "tool_status"] {
+            assert!(bare_view.get(absent).is_none(), "{absent} is left out when empty");
+        }
+        for null in ["parent_id", "model", "provider", "turn_id", "copied_from"] {
+            assert_eq!(bare_view[null], Value::Null, "{null} is shown as null");
+        }
+        assert_eq!(bare_view["created_at"], "1970-01-01T00:00:00Z");
+    }
 }

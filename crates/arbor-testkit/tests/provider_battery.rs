@@ -22,7 +22,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use arbor_core::message::{Part, ProviderOpaque};
-use arbor_core::{ErrorCode, Message, ProviderError, ToolStatus, Usage};
+use arbor_core::{ErrorCode, Message, ProviderError, SharedMessage, ToolStatus, Usage};
 use arbor_providers::anthropic::{AnthropicConfig, AnthropicProvider};
 use arbor_providers::gemini::{GeminiConfig, GeminiProvider};
 use arbor_providers::http::HttpTimeouts;
@@ -107,7 +107,7 @@ impl Bench {
         ChatRequest {
             model: model.to_owned(),
             system: Some("You are a terse assistant.".to_owned()),
-            messages,
+            messages: SharedMessage::all(messages),
             max_output_tokens: Some(2048),
             ..ChatRequest::default()
         }
