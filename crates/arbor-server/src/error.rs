@@ -3,7 +3,7 @@
 //! details of server faults are logged, never sent.
 
 use arbor_engine::EngineError;
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::{BytesRejection, JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
@@ -77,22 +77,45 @@ impl From<EngineError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// A body not sent as JSON.
+    pub(crate) fn not_json() -> ApiError {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "send the body as JSON with `content-type: application/json`",
+        )
+    }
+
+    fn too_large() -> ApiError {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            "the request body is larger than this server accepts",
+        )
+    }
+}
+
 impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> ApiError {
-        let status = rejection.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            return ApiError::new(status, "payload_too_large", "the request body is larger than this server accepts");
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::not_json(),
+            // Broken syntax and well-formed JSON of the wrong shape (a
+            // missing or unknown field, a wrong type) are both the
+            // caller's bad input.
+            _ => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", rejection.body_text()),
         }
-        if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
-            return ApiError::new(
-                status,
-                "unsupported_media_type",
-                "send the body as JSON with `content-type: application/json`",
-            );
+    }
+}
+
+/// A body that could not be read: too large, or cut off.
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> ApiError {
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
+            status => ApiError::new(status, "invalid_body", rejection.body_text()),
         }
-        // Broken syntax and well-formed JSON of the wrong shape (a missing
-        // or unknown field, a wrong type) are both the caller's bad input.
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", rejection.body_text())
     }
 }
 

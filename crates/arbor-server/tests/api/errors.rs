@@ -130,6 +130,33 @@ async fn a_body_over_the_limit_is_413() {
 }
 
 #[tokio::test]
+async fn a_body_not_declared_json_is_415_and_nothing_is_written() {
+    let app = spawn_app().await;
+    let key = app.admin_key.clone();
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let path = format!("/v1/conversations/{conversation}/messages");
+    let send = |content_type: Option<&'static str>| {
+        let mut request = app.client.post(app.url(&path)).bearer_auth(&key).body(r#"{"content": "hi", "run": false}"#);
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        request.send()
+    };
+    for refused in [None, Some("text/plain"), Some("application/jsonx"), Some("json")] {
+        let response = send(refused).await.expect("sent");
+        assert_eq!(response.status(), 415, "{refused:?}");
+        let body: serde_json::Value = response.json().await.expect("json error body");
+        assert_eq!(body["error"]["code"], "unsupported_media_type", "{refused:?}");
+    }
+    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0);
+    for accepted in ["application/json", "Application/JSON; charset=utf-8", "application/vnd.arbor+json"] {
+        let response = send(Some(accepted)).await.expect("sent");
+        assert_eq!(response.status(), 201, "{accepted}");
+    }
+}
+
+#[tokio::test]
 async fn bad_query_parameters_are_400() {
     let app = spawn_app().await;
     let key = app.admin_key.clone();
