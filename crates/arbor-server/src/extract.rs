@@ -91,8 +91,10 @@ fn json_content_type(headers: &HeaderMap) -> bool {
     let Some((kind, subtype)) = essence.split_once('/') else {
         return false;
     };
-    let subtype = subtype.to_ascii_lowercase();
-    kind.eq_ignore_ascii_case("application") && (subtype == "json" || subtype.ends_with("+json"))
+    // A header's text is visible ASCII, so any byte is a boundary.
+    let suffix = subtype.len().checked_sub(5).map(|at| &subtype[at..]);
+    kind.eq_ignore_ascii_case("application")
+        && (subtype.eq_ignore_ascii_case("json") || suffix.is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json")))
 }
 
 /// A JSON response body, written by `arbor_core::json` (serde_json's
