@@ -201,8 +201,9 @@ impl SharedMessage {
         messages.into_iter().map(SharedMessage::from).collect()
     }
 
-    /// The message to change, copied first while anything else holds it
-    /// (a node with the tree that holds it: the tree keeps its own).
+    /// The message, to change it: copied first while anything else holds
+    /// it (a node the tree holds is copied whole, so the tree keeps its
+    /// own).
     pub fn to_mut(&mut self) -> &mut Message {
         match &mut self.0 {
             Shared::Node(node) => &mut Arc::make_mut(node).message,

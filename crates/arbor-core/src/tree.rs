@@ -243,6 +243,11 @@ mod tests {
         assert_eq!(Arc::strong_count(&root), 3, "the test's, the tree's and the request's");
         assert_eq!(shared, SharedMessage::all([Message::user("a"), Message::user("b")]), "compared as messages");
         assert_eq!(format!("{:?}", shared[1]), format!("{:?}", Message::user("b")), "shown as the message");
+        let mut edited = shared[0].clone();
+        edited.to_mut().content = Some("edited".into());
+        assert_eq!(edited.content.as_deref(), Some("edited"));
+        assert_eq!(root.message.content.as_deref(), Some("a"), "the tree's node is not changed");
+        assert_eq!(shared[0].content.as_deref(), Some("a"), "nor the request's");
     }
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {
