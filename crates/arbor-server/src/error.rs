@@ -109,12 +109,13 @@ impl From<JsonRejection> for ApiError {
     }
 }
 
-/// A body that could not be read: too large, or cut off.
+/// A body that could not be read: too large, or cut off (a 400 as when
+/// `axum::Json` read it).
 impl From<BytesRejection> for ApiError {
     fn from(rejection: BytesRejection) -> ApiError {
         match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
-            status => ApiError::new(status, "invalid_body", rejection.body_text()),
+            _ => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", rejection.body_text()),
         }
     }
 }
