@@ -74,16 +74,33 @@ fn push_string(out: &mut String, text: &str) {
 
 /// Where the first byte that must be escaped is, checking eight bytes at a
 /// time; the last (or only) short piece is checked as one word too,
-/// overlapping what was checked already or padded with spaces.
+/// overlapping what was checked already, or, under eight bytes, read as
+/// two overlapping halves or put byte by byte into a word of spaces
+/// (most keys and many values are that short, and copying them into a
+/// padded word called `memcpy`).
 fn first_escape(bytes: &[u8]) -> Option<usize> {
     let word_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes"));
     let lowest = |mask: u64| mask.trailing_zeros() as usize / 8;
     let len = bytes.len();
     if len < 8 {
-        let mut padded = [b' '; 8];
-        padded[..len].copy_from_slice(bytes);
-        let mask = special_bytes(u64::from_le_bytes(padded));
-        return (mask != 0).then(|| lowest(mask));
+        let half_at = |at: usize| u64::from(u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes")));
+        let word = if len >= 4 {
+            // Lanes 4 to 7 hold bytes len - 4 to len - 1.
+            half_at(0) | half_at(len - 4) << 32
+        } else {
+            let spaces = u64::from_le_bytes([b' '; 8]);
+            bytes
+                .iter()
+                .enumerate()
+                .fold(spaces, |word, (at, &byte)| word & !(0xff << (8 * at)) | u64::from(byte) << (8 * at))
+        };
+        let mask = special_bytes(word);
+        // A byte in both halves is flagged in both; the lowest flag is
+        // the first such byte either way.
+        return (mask != 0).then(|| match lowest(mask) {
+            lane if lane >= 4 && len >= 4 => len + lane - 8,
+            lane => lane,
+        });
     }
     let mut at = 0;
     while at + 8 <= len {
