@@ -103,11 +103,19 @@ async fn submit(
     };
     match state.engine.submit(&user, &id, submit).await? {
         Submitted::Turn(handle) => respond_turn(&state, *handle, stream, visibility).await,
-        Submitted::Recorded { messages, head_id, head_version } => Ok((
-            StatusCode::CREATED,
-            Json(json!({"messages": views::nodes(&messages), "head_id": head_id, "head_version": head_version})),
-        )
-            .into_response()),
+        Submitted::Recorded { messages, head_id, head_version } => {
+            // Written straight from the views: a view can record thousands
+            // of messages, and `json!` would first build them all as a
+            // `Value` (a map and a string copy per field).
+            #[derive(serde::Serialize)]
+            struct Recorded<'a> {
+                messages: Vec<views::NodeView<'a>>,
+                head_id: Option<String>,
+                head_version: i64,
+            }
+            let body = Recorded { messages: views::nodes(&messages), head_id, head_version };
+            Ok((StatusCode::CREATED, Json(body)).into_response())
+        }
         Submitted::HeadMoved { head_id, head_version } => {
             Ok(Json(json!({"head_id": head_id, "head_version": head_version})).into_response())
         }

@@ -128,6 +128,14 @@ async fn append_without_a_turn_then_regenerate_and_move_the_head() {
     let recorded = app.post(&key, &path, &json!({"content": "context line", "id": "c1", "run": false})).await;
     assert_eq!(recorded.status, 201, "{:?}", recorded.body);
     assert_eq!(recorded.body["head_id"], "c1");
+    assert!(recorded.body["head_version"].as_i64().is_some(), "{:?}", recorded.body);
+    let shown = recorded.body["messages"].as_array().expect("the recorded messages");
+    assert_eq!(shown.len(), 1);
+    assert_eq!(
+        (&shown[0]["id"], &shown[0]["role"], &shown[0]["content"]),
+        (&json!("c1"), &json!("user"), &json!("context line"))
+    );
+    assert_eq!(shown[0]["children"], json!([]));
     let turn = app.post(&key, &path, &json!({"content": "question", "id": "q1"})).await;
     assert_eq!(turn.body["message"]["parent_id"], "q1");
     let tree = messages(&app.get(&key, &format!("/v1/conversations/{conversation}")).await.body);
