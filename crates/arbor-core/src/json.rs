@@ -83,9 +83,9 @@ fn first_escape(bytes: &[u8]) -> Option<usize> {
     let lowest = |mask: u64| mask.trailing_zeros() as usize / 8;
     let len = bytes.len();
     if len < 8 {
-        let half_at = |at: usize| u64::from(u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes")));
         let word = if len >= 4 {
             // Lanes 4 to 7 hold bytes len - 4 to len - 1.
+            let half_at = |at: usize| u64::from(u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes")));
             half_at(0) | half_at(len - 4) << 32
         } else {
             let spaces = u64::from_le_bytes([b' '; 8]);
@@ -96,9 +96,10 @@ fn first_escape(bytes: &[u8]) -> Option<usize> {
         };
         let mask = special_bytes(word);
         // A byte in both halves is flagged in both; the lowest flag is
-        // the first such byte either way.
+        // the first such byte either way. Under four bytes, lanes 4 to 7
+        // are spaces and never flagged.
         return (mask != 0).then(|| match lowest(mask) {
-            lane if lane >= 4 && len >= 4 => len + lane - 8,
+            lane if lane >= 4 => len + lane - 8,
             lane => lane,
         });
     }
