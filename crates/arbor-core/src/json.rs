@@ -42,6 +42,24 @@ pub fn write<T: ?Sized + Serialize>(out: &mut String, value: &T) -> Result<()> {
     value.serialize(Writer(out))
 }
 
+/// JSON text that is already written, put into the output as it is,
+/// without being parsed again: what `serde_json::value::RawValue` is,
+/// without the parse that making one costs. The maker vouches that the
+/// text is one JSON value. Every serializer that knows `RawValue` takes it
+/// as one: this module's writer and serde_json's copy it, `serde_json::
+/// to_value` parses it into a `Value`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verbatim<'a>(pub &'a str);
+
+impl Serialize for Verbatim<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let mut raw = serializer.serialize_struct(RAW_VALUE_TOKEN, 1)?;
+        raw.serialize_field(RAW_VALUE_TOKEN, self.0)?;
+        raw.end()
+    }
+}
+
 /// The name serde_json gives the one-field struct a `RawValue` serializes
 /// as; its field holds the JSON text to write unchanged.
 const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
@@ -699,6 +717,20 @@ mod tests {
     use serde_json::value::RawValue;
 
     use super::*;
+
+    #[test]
+    fn verbatim_text_is_written_as_it_is_by_both_writers_and_read_as_json() {
+        #[derive(Serialize)]
+        struct Request<'a> {
+            model: &'a str,
+            messages: Verbatim<'a>,
+        }
+        let text = r#"[{"role":"user","content":"a \"b\"\n"},{"role":"assistant","content":null}]"#;
+        let request = Request { model: "m", messages: Verbatim(text) };
+        let expected = format!(r#"{{"model":"m","messages":{text}}}"#);
+        assert_eq!(same(&request).as_deref(), Some(expected.as_str()));
+        assert_eq!(serde_json::to_value(&request).unwrap(), serde_json::from_str::<Value>(&expected).unwrap());
+    }
 
     /// Both writers agree: the same text, or both refuse.
     fn same<T: ?Sized + Serialize>(value: &T) -> Option<String> {

@@ -210,6 +210,18 @@ impl SharedMessage {
             Shared::Alone(message) => Arc::make_mut(message),
         }
     }
+
+    /// Whether the two are one message held in one place (the same node
+    /// of one tree, or the same shared message), not merely equal. A
+    /// message held so is never changed in place (`to_mut` copies it while
+    /// it is shared), so what was written from it still holds.
+    pub fn same(&self, other: &SharedMessage) -> bool {
+        match (&self.0, &other.0) {
+            (Shared::Node(one), Shared::Node(other)) => Arc::ptr_eq(one, other),
+            (Shared::Alone(one), Shared::Alone(other)) => Arc::ptr_eq(one, other),
+            _ => false,
+        }
+    }
 }
 
 impl Deref for SharedMessage {

@@ -248,6 +248,11 @@ mod tests {
         assert_eq!(edited.content.as_deref(), Some("edited"));
         assert_eq!(root.message.content.as_deref(), Some("a"), "the tree's node is not changed");
         assert_eq!(shared[0].content.as_deref(), Some("a"), "nor the request's");
+        assert!(shared[0].same(&SharedMessage::from(root.clone())), "the same node, held twice");
+        assert!(!edited.same(&shared[0]), "a copy made to change it is another message");
+        assert!(!shared[0].same(&SharedMessage::from(Message::user("a"))), "an equal message is not the same");
+        let alone = SharedMessage::from(Message::user("x"));
+        assert!(alone.same(&alone.clone()) && !alone.same(&SharedMessage::from(Message::user("x"))));
     }
 
     pub(crate) fn node(id: &str, parent: Option<&str>) -> Node {
