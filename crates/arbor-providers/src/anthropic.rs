@@ -219,8 +219,7 @@ enum ImageSource<'a> {
 /// The request body Arbor sends for `request`, as JSON (for tests, mocks and
 /// debugging; the provider serialises the same value directly).
 pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, ProviderError> {
-    serde_json::to_value(build_request(request, stream)?)
-        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
+    serde_json::to_value(build_request(request, stream)?).map_err(http::not_encoded)
 }
 
 fn build_request(request: &ChatRequest, stream: bool) -> Result<MessagesRequest<'_>, ProviderError> {

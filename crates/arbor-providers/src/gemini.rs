@@ -239,8 +239,7 @@ struct FunctionResponse<'a> {
 /// The request body Arbor sends for `request` (the same for streamed and
 /// non-streamed calls; the URL differs), as JSON for tests and mocks.
 pub fn request_body(request: &ChatRequest) -> Result<Value, ProviderError> {
-    serde_json::to_value(build_request(request)?)
-        .map_err(|error| ProviderError::new(ErrorCode::Internal, format!("could not encode the request: {error}")))
+    serde_json::to_value(build_request(request)?).map_err(http::not_encoded)
 }
 
 fn build_request(request: &ChatRequest) -> Result<GenerateContentRequest<'_>, ProviderError> {

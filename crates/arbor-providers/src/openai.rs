@@ -12,7 +12,9 @@
 //! its `plain` reader of the usual stream chunk.
 
 use std::fmt;
+use std::sync::Arc;
 
+use arbor_core::json::Verbatim;
 use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolCall, Usage};
 use bytes::Bytes;
@@ -25,6 +27,7 @@ use serde_json::Value;
 use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
+use crate::written::{Elements, WrittenPaths};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider, ToolSpec};
 
 mod plain;
@@ -109,6 +112,9 @@ pub struct OpenAiProvider {
     /// unknown fields, so a conversation that moves from Gemini to OpenAI
     /// must not carry them over.
     send_signatures: bool,
+    /// The messages of recent long requests as written, shared by the
+    /// clones: a conversation's next turn writes only what is new.
+    written: Arc<WrittenPaths>,
 }
 
 impl fmt::Debug for OpenAiProvider {
@@ -164,23 +170,33 @@ impl OpenAiProvider {
             max_tokens_field: config.max_tokens_field,
             stream_usage: config.stream_usage,
             send_signatures: base_url.contains(".googleapis.com"),
+            written: Arc::default(),
         })
     }
 
     /// The JSON body this adapter sends for `request`.
     pub fn request_body(&self, request: &ChatRequest, stream: bool) -> Value {
         // Serializing plain structs of strings and numbers cannot fail.
-        serde_json::to_value(self.wire_request(request, stream)).unwrap_or(Value::Null)
+        let Ok(mut elements) = system_head(request.system.as_deref()) else {
+            return Value::Null;
+        };
+        if wire_messages(&request.messages, &mut elements, self.send_signatures).is_err() {
+            return Value::Null;
+        }
+        elements
+            .with_array(|messages| serde_json::to_value(self.wire_request(request, messages, stream)))
+            .unwrap_or(Value::Null)
     }
 
-    fn wire_request<'a>(&self, request: &'a ChatRequest, stream: bool) -> WireRequest<'a> {
+    /// The request as sent: `messages` is the JSON array of its messages.
+    fn wire_request<'a>(&self, request: &'a ChatRequest, messages: &'a str, stream: bool) -> WireRequest<'a> {
         let (max_completion_tokens, max_tokens) = match self.max_tokens_field {
             MaxTokensField::MaxCompletionTokens => (request.max_output_tokens, None),
             MaxTokensField::MaxTokens => (None, request.max_output_tokens),
         };
         WireRequest {
             model: &request.model,
-            messages: wire_messages(request.system.as_deref(), &request.messages, self.send_signatures),
+            messages: Verbatim(messages),
             tools: request.tools.iter().map(wire_tool).collect(),
             max_completion_tokens,
             max_tokens,
@@ -193,8 +209,26 @@ impl OpenAiProvider {
         }
     }
 
+    /// The body sent for `request`: the messages a recent long request
+    /// shares with it are not written again.
+    fn body(&self, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
+        let head = system_head(request.system.as_deref())?;
+        let mut written = self.written.take(&request.messages, head);
+        wire_messages(written.unwritten(&request.messages), written.elements(), self.send_signatures)?;
+        let body = written.elements().with_array(|messages| {
+            // Sized for the messages, which are most of it: written once,
+            // never moved to a larger buffer.
+            let mut body = String::with_capacity(messages.len() + 512);
+            arbor_core::json::write(&mut body, &self.wire_request(request, messages, stream))
+                .map_err(http::not_encoded)?;
+            Ok::<_, ProviderError>(body.into_bytes())
+        })?;
+        self.written.keep(written, &request.messages);
+        Ok(body)
+    }
+
     async fn post(&self, request: &ChatRequest, stream: bool) -> Result<http::HttpResponse, ProviderError> {
-        let body = http::json_body(&self.wire_request(request, stream))?;
+        let body = self.body(request, stream)?;
         let accept = if stream { "text/event-stream" } else { "application/json" };
         let request = HttpRequest { uri: self.uri.clone(), headers: self.headers.clone(), body: body.into() }
             .header(ACCEPT, HeaderValue::from_static(accept));
@@ -233,7 +267,7 @@ impl Provider for OpenAiProvider {
 #[derive(Serialize)]
 struct WireRequest<'a> {
     model: &'a str,
-    messages: Vec<WireMessage<'a>>,
+    messages: Verbatim<'a>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tools: Vec<WireTool<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -329,61 +363,71 @@ fn wire_tool(tool: &ToolSpec) -> WireTool<'_> {
     }
 }
 
-fn wire_messages<'a>(
-    system: Option<&'a str>,
-    messages: &'a [SharedMessage],
-    send_signatures: bool,
-) -> Vec<WireMessage<'a>> {
-    let mut wire = Vec::with_capacity(messages.len() + 1);
+/// The start of a request's messages array: the system prompt, when there
+/// is one, as the first message.
+fn system_head(system: Option<&str>) -> Result<Elements, ProviderError> {
+    let mut head = Elements::default();
     if let Some(system) = system.filter(|text| !text.is_empty()) {
-        wire.push(WireMessage {
+        head.push(&WireMessage {
             role: "system",
             content: Some(WireContent::Text(system)),
             tool_calls: Vec::new(),
             tool_call_id: None,
-        });
+        })?;
     }
-    // Images returned by tools: a `tool` message can only hold text, and
-    // nothing may come between the tool results of one assistant message,
-    // so they follow the run of tool results as one user message.
-    let mut tool_images: Vec<WirePart<'a>> = Vec::new();
+    Ok(head)
+}
+
+/// Appends `messages` in OpenAI's form to `elements`, each message's
+/// elements from that message alone, except that images returned by tools
+/// wait for the end of their run: a `tool` message can only hold text,
+/// and nothing may come between the tool results of one assistant
+/// message, so they follow the run as one user message (and the text
+/// cannot be cut inside the run).
+fn wire_messages(
+    messages: &[SharedMessage],
+    elements: &mut Elements,
+    send_signatures: bool,
+) -> Result<(), ProviderError> {
+    let mut tool_images: Vec<WirePart<'_>> = Vec::new();
     for message in messages {
         if message.role != Role::Tool && !tool_images.is_empty() {
-            wire.push(user_images(std::mem::take(&mut tool_images)));
+            elements.push(&user_images(std::mem::take(&mut tool_images)))?;
         }
         match message.role {
             Role::System => {
                 if let Some(text) = message.content.as_deref() {
-                    wire.push(WireMessage {
+                    elements.push(&WireMessage {
                         role: "system",
                         content: Some(WireContent::Text(text)),
                         tool_calls: Vec::new(),
                         tool_call_id: None,
-                    });
+                    })?;
                 }
             }
-            Role::User => wire.push(WireMessage {
+            Role::User => elements.push(&WireMessage {
                 role: "user",
                 content: Some(user_content(message)),
                 tool_calls: Vec::new(),
                 tool_call_id: None,
-            }),
-            Role::Assistant => wire.push(assistant_message(message, send_signatures)),
+            })?,
+            Role::Assistant => elements.push(&assistant_message(message, send_signatures))?,
             Role::Tool => {
                 tool_images.extend(message.parts.iter().filter_map(image_part));
-                wire.push(WireMessage {
+                elements.push(&WireMessage {
                     role: "tool",
                     content: Some(WireContent::Text(message.content.as_deref().unwrap_or(""))),
                     tool_calls: Vec::new(),
                     tool_call_id: Some(message.tool_call_id.as_deref().unwrap_or("")),
-                });
+                })?;
             }
         }
+        elements.end_message(tool_images.is_empty());
     }
     if !tool_images.is_empty() {
-        wire.push(user_images(tool_images));
+        elements.push(&user_images(tool_images))?;
     }
-    wire
+    Ok(())
 }
 
 fn user_images(images: Vec<WirePart<'_>>) -> WireMessage<'_> {
@@ -1207,6 +1251,72 @@ mod tests {
                 "stream_options": {"include_usage": true},
             })
         );
+    }
+
+    /// A long conversation's turns, one after another: growing, moving to
+    /// another branch, editing a message, and with runs of tool results
+    /// whose images wait for the run's end. Each body equals the one a
+    /// provider that keeps nothing writes, and a turn writes only what it
+    /// does not share with the turn before.
+    #[test]
+    fn a_long_conversations_bodies_are_written_as_if_whole_and_only_their_new_messages_are() {
+        let image = |url: &str| Part::Image { media_id: None, url: Some(url.into()), data: None, mime_type: None };
+        let exchange = |index: usize| -> Vec<Message> {
+            let call = ToolCall {
+                id: format!("c{index}"),
+                name: "shot".into(),
+                arguments: json!({"n": index}),
+                signature: None,
+            };
+            let mut result = Message::tool_result(&call, arbor_core::ToolStatus::Success, "see \"image\"\n");
+            if index.is_multiple_of(3) {
+                result.parts.push(image(&format!("https://example.com/{index}.png")));
+            }
+            vec![
+                Message::user(format!("question {index}")),
+                Message { tool_calls: vec![call], content: None, ..Message::assistant("") },
+                result,
+                Message::assistant(format!("answer {index}")),
+            ]
+        };
+        let mut trunk: Vec<SharedMessage> = SharedMessage::all((0..30).flat_map(exchange));
+        let request = |messages: &[SharedMessage]| ChatRequest {
+            model: "m".into(),
+            system: Some("be brief".into()),
+            messages: messages.to_vec(),
+            ..ChatRequest::default()
+        };
+        let keeping = provider("http://x/v1");
+        let check = |messages: &[SharedMessage], label: &str| {
+            let whole = provider("http://x/v1").body(&request(messages), true).expect("body");
+            let body = keeping.body(&request(messages), true).expect("body");
+            assert_eq!(String::from_utf8(body).unwrap(), String::from_utf8(whole).unwrap(), "{label}");
+        };
+
+        check(&trunk, "first turn");
+        trunk.extend(SharedMessage::all(exchange(30)));
+        check(&trunk, "grown by an exchange");
+        assert_eq!(keeping.written.reusable(&trunk), trunk.len(), "all of it kept");
+        check(&trunk, "the same path again");
+
+        let mut branch = trunk[..82].to_vec();
+        branch.extend(SharedMessage::all([Message::user("another way")]));
+        check(&branch, "another branch");
+        assert_eq!(keeping.written.reusable(&trunk), 82, "up to the fork");
+        check(&trunk, "back to the trunk");
+
+        let mut edited = trunk.clone();
+        edited[70].to_mut().content = Some("edited".into());
+        check(&edited, "an edited message");
+
+        // Ending inside a run of tool results with an image: held to the end.
+        let mut open = trunk.clone();
+        open.extend(SharedMessage::all(exchange(33).into_iter().take(3)));
+        check(&open, "ends with a tool result's image");
+        assert_eq!(keeping.written.reusable(&open), open.len() - 1, "not the result whose image waits");
+        let mut closed = open.clone();
+        closed.push(SharedMessage::from(Message::assistant("done")));
+        check(&closed, "the run closed");
     }
 
     #[test]
