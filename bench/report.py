@@ -658,11 +658,13 @@ if trees:
       f"{first['branch_length']} messages forking at evenly spaced points ({first['messages']} messages), "
       "recorded with views (`run: false`). Then, repeatedly and one request at a time: move the head to "
       "another branch's leaf, load the whole tree, load the active path (`?path=1`, the context a turn "
-      "sends), and run one JSON turn at that leaf (0 ms mock).")
+      "sends), and run one JSON turn at that leaf (0 ms mock), then the next turn on the same branch "
+      "(its path the last one's, the reply and the new message).")
     w("")
     w("| backend | record trunk | record a branch p50 | move head p50 / p99 | load tree p50 / p99 (size) "
-      "| load path p50 / p99 (last path's length) | turn at leaf p50 / p99 | its header overhead p50 / p99 |")
-    w("|---|---|---|---|---|---|---|---|")
+      "| load path p50 / p99 (last path's length) | turn at leaf p50 / p99 | its header overhead p50 / p99 "
+      "(without the durable writes) | next turn's header overhead p50 / p99 (without the durable writes) |")
+    w("|---|---|---|---|---|---|---|---|---|")
     for tree in trees:
         s = lambda name, q: (tree.get(name) or {}).get(q)  # noqa: E731
         w(f"| {tree.get('backend', '?')} | {tree['record_trunk_ms']:.0f} ms | {us(s('record_branch_us', 'p50'))} "
@@ -670,7 +672,10 @@ if trees:
           f"| {pair(s('load_tree_us', 'p50'), s('load_tree_us', 'p99'))} ({tree['load_tree_bytes'] / 1e6:.1f} MB) "
           f"| {pair(s('load_path_us', 'p50'), s('load_path_us', 'p99'))} ({tree['path_length']}) "
           f"| {pair(s('turn_us', 'p50'), s('turn_us', 'p99'))} "
-          f"| {pair(s('turn_overhead_us', 'p50'), s('turn_overhead_us', 'p99'))} |")
+          f"| {pair(s('turn_overhead_us', 'p50'), s('turn_overhead_us', 'p99'))} "
+          f"({pair(s('turn_rest_us', 'p50'), s('turn_rest_us', 'p99'))}) "
+          f"| {pair(s('next_turn_overhead_us', 'p50'), s('next_turn_overhead_us', 'p99'))} "
+          f"({pair(s('next_turn_rest_us', 'p50'), s('next_turn_rest_us', 'p99'))}) |")
     w("")
 
 # ---------------------------------------------------------------- S6

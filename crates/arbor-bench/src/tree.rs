@@ -65,6 +65,16 @@ struct TreeReport {
     turn_us: Option<Summary>,
     /// The same turns: Arbor's `x-arbor-overhead-us`.
     turn_overhead_us: Option<Summary>,
+    /// Of that, what is not the wait for the durable writes
+    /// (`x-arbor-store-wait-us`): Arbor's own work, without the disk.
+    turn_rest_us: Option<Summary>,
+    /// The turn right after it, on the same branch (its path is the one
+    /// before, the reply and the new message): client latency.
+    next_turn_us: Option<Summary>,
+    /// The same turns: Arbor's `x-arbor-overhead-us`.
+    next_turn_overhead_us: Option<Summary>,
+    /// Of that, what is not the wait for the durable writes.
+    next_turn_rest_us: Option<Summary>,
 }
 
 fn view_message(id: &str, index: usize, content: &str) -> Value {
@@ -127,6 +137,10 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
     let mut switch_branch = Micros::default();
     let mut turn = Micros::default();
     let mut turn_overhead = Micros::default();
+    let mut next_turn = Micros::default();
+    let mut next_turn_overhead = Micros::default();
+    let mut turn_rest = Micros::default();
+    let mut next_turn_rest = Micros::default();
     for repeat in 0..args.repeats {
         // Visit branches spread over the trunk, deep and shallow.
         let leaf = &leaves[(repeat * 37) % leaves.len().max(1)];
@@ -158,21 +172,37 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
         path_length = path["messages"].as_array().map_or(0, Vec::len);
 
         if !args.model.is_empty() {
-            let started = Instant::now();
-            let response = client
-                .post(&messages_url)
-                .bearer_auth(&args.key)
-                .json(&json!({"content": "And one more question.", "model": args.model}))
-                .send()
-                .await?;
-            let status = response.status();
-            let overhead = response.headers().get("x-arbor-overhead-us").and_then(|value| value.to_str().ok());
-            let overhead: Option<u64> = overhead.and_then(|text| text.parse().ok());
-            let body = response.bytes().await?;
-            ensure!(status.is_success(), "a turn on the long conversation answered {status}: {body:?}");
-            turn.record(started.elapsed());
-            if let Some(micros) = overhead {
-                turn_overhead.record_micros(micros);
+            // A turn at the leaf, then the next one on the same branch.
+            let turns = [
+                (&mut turn, &mut turn_overhead, &mut turn_rest),
+                (&mut next_turn, &mut next_turn_overhead, &mut next_turn_rest),
+            ];
+            for (latency, overhead, rest) in turns {
+                let started = Instant::now();
+                let response = client
+                    .post(&messages_url)
+                    .bearer_auth(&args.key)
+                    .json(&json!({"content": "And one more question.", "model": args.model}))
+                    .send()
+                    .await?;
+                let status = response.status();
+                let header = |name: &str| -> Option<u64> {
+                    response
+                        .headers()
+                        .get(name)
+                        .and_then(|value| value.to_str().ok())
+                        .and_then(|text| text.parse().ok())
+                };
+                let (micros, store_wait) = (header("x-arbor-overhead-us"), header("x-arbor-store-wait-us"));
+                let body = response.bytes().await?;
+                ensure!(status.is_success(), "a turn on the long conversation answered {status}: {body:?}");
+                latency.record(started.elapsed());
+                if let Some(micros) = micros {
+                    overhead.record_micros(micros);
+                    if let Some(store_wait) = store_wait {
+                        rest.record_micros(micros.saturating_sub(store_wait));
+                    }
+                }
             }
         }
     }
@@ -192,6 +222,10 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
         switch_branch_us: switch_branch.summary(),
         turn_us: turn.summary(),
         turn_overhead_us: turn_overhead.summary(),
+        next_turn_us: next_turn.summary(),
+        next_turn_overhead_us: next_turn_overhead.summary(),
+        turn_rest_us: turn_rest.summary(),
+        next_turn_rest_us: next_turn_rest.summary(),
     };
     let line = serde_json::to_string(&report)?;
     eprintln!("[S5] {line}");
