@@ -41,11 +41,17 @@ pub(crate) struct Elements {
     /// or `None` where the text cannot be cut: what comes next depends on
     /// what came before (a tool result's images wait for the end of its run).
     ends: Vec<Option<usize>>,
+    /// Whether `ends` are recorded: only for a path that may be kept.
+    recording: bool,
 }
 
 impl Default for Elements {
     fn default() -> Elements {
-        Elements { text: String::from("["), head: 1, ends: Vec::new() }
+        // Room for a short conversation's messages, so that its array is
+        // not moved to larger buffers as it grows.
+        let mut text = String::with_capacity(1024);
+        text.push('[');
+        Elements { text, head: 1, ends: Vec::new(), recording: false }
     }
 }
 
@@ -61,7 +67,9 @@ impl Elements {
     /// Closes a message's elements; `cut` says whether the next message's
     /// can start from nothing.
     pub(crate) fn end_message(&mut self, cut: bool) {
-        self.ends.push(cut.then_some(self.text.len()));
+        if self.recording {
+            self.ends.push(cut.then_some(self.text.len()));
+        }
     }
 
     /// `use_array` given the whole array, closed.
@@ -97,10 +105,13 @@ pub(crate) struct Written {
 
 impl Written {
     /// What nothing is written for yet but `head` (the array's elements
-    /// before the path's).
-    fn starting(head: Elements) -> Written {
+    /// before the path's); for a path that may be kept, where each message
+    /// ends is recorded.
+    fn starting(head: Elements, path: &[SharedMessage]) -> Written {
         let head_end = head.text.len();
-        Written { messages: Vec::new(), elements: Elements { head: head_end, ends: Vec::new(), ..head } }
+        let recording = path.len() >= LEAST_MESSAGES;
+        let ends = if recording { Vec::with_capacity(path.len()) } else { Vec::new() };
+        Written { messages: Vec::new(), elements: Elements { head: head_end, ends, recording, ..head } }
     }
 
     /// How many of the messages kept here start `path` too, cut back to
@@ -137,17 +148,17 @@ impl WrittenPaths {
     /// so a path is never written by two at once.
     pub(crate) fn take(&self, path: &[SharedMessage], head: Elements) -> Written {
         let Some(first) = path.first().filter(|_| path.len() >= LEAST_MESSAGES) else {
-            return Written::starting(head);
+            return Written::starting(head, path);
         };
         let mut written = {
             let mut paths = self.lock();
             match paths.iter().position(|kept| kept.messages.first().is_some_and(|kept| kept.same(first))) {
                 Some(index) => paths.remove(index),
-                None => return Written::starting(head),
+                None => return Written::starting(head, path),
             }
         };
         if written.elements.head() != head.text {
-            return Written::starting(head);
+            return Written::starting(head, path);
         }
         let (messages, end) = written.reusable(path);
         written.messages.truncate(messages);
