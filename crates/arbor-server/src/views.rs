@@ -47,34 +47,81 @@ pub fn conversation(conversation: &Conversation) -> ConversationView<'_> {
 pub struct NodeView<'a> {
     #[serde(flatten)]
     node: &'a Node,
-    children: Vec<&'a str>,
+    children: &'a [&'a str],
 }
 
-/// Tree nodes with their children's ids, in creation order.
+/// Tree nodes with their children's ids, in creation order: shown as a
+/// list of [`NodeView`]s.
+pub struct NodeViews<'a> {
+    nodes: Vec<&'a Node>,
+    /// Every node's children's ids, grouped by parent in the nodes' order.
+    children: Vec<&'a str>,
+    /// Where each node's children start in `children`, and, last, where
+    /// the last node's end.
+    starts: Vec<usize>,
+}
+
+impl Serialize for NodeViews<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.nodes.iter().enumerate().map(|(index, node)| NodeView {
+            node,
+            children: &self.children[self.starts[index]..self.starts[index + 1]],
+        }))
+    }
+}
+
+/// The nodes' views: each with its children among `nodes`, in the list's
+/// order.
 ///
-/// The children are grouped by their parent's id in a map sized for the
-/// whole list and hashed with foldhash (seeded at random per call; the ids
-/// are the caller's own conversation's): a long conversation's tree is
-/// thousands of nodes, and std's SipHash with the map regrowing was ~5%
-/// of loading one (bench/analysis.md).
-pub fn nodes<N: Borrow<Node>>(nodes: &[N]) -> Vec<NodeView<'_>> {
-    let mut children: HashMap<&str, Vec<&str>, RandomState> =
-        HashMap::with_capacity_and_hasher(nodes.len(), RandomState::default());
-    for node in nodes.iter().map(N::borrow) {
-        if let Some(parent) = node.parent_id.as_deref() {
-            children.entry(parent).or_default().push(&node.id);
+/// A node's parent is most often the node before it (a path, a branch's
+/// run); any other is found by id in a map from id to place (foldhash,
+/// seeded at random per call; the ids are the caller's own
+/// conversation's), made the first time one is needed. The children are
+/// then grouped in one list by counting them first. A long conversation's
+/// tree is thousands of nodes, and a map of each parent's own growing list
+/// (SipHash before that) was ~8% of reading one (bench/analysis.md).
+pub fn nodes<N: Borrow<Node>>(nodes: &[N]) -> NodeViews<'_> {
+    let nodes: Vec<&Node> = nodes.iter().map(N::borrow).collect();
+    let mut places: Option<HashMap<&str, usize, RandomState>> = None;
+    let parents: Vec<Option<usize>> = nodes
+        .iter()
+        .enumerate()
+        .map(|(place, node)| {
+            let parent = node.parent_id.as_deref()?;
+            if place > 0 && nodes[place - 1].id == parent {
+                return Some(place - 1);
+            }
+            let places = places.get_or_insert_with(|| {
+                let mut places = HashMap::with_capacity_and_hasher(nodes.len(), RandomState::default());
+                places.extend(nodes.iter().enumerate().map(|(place, node)| (node.id.as_str(), place)));
+                places
+            });
+            places.get(parent).copied()
+        })
+        .collect();
+    // Each parent's count at the place after its own, then summed: where
+    // each one's children start.
+    let mut starts = vec![0; nodes.len() + 1];
+    for &parent in parents.iter().flatten() {
+        starts[parent + 1] += 1;
+    }
+    for place in 1..starts.len() {
+        starts[place] += starts[place - 1];
+    }
+    let mut next = starts.clone();
+    let mut children = vec![""; starts[nodes.len()]];
+    for (node, parent) in nodes.iter().zip(&parents) {
+        if let Some(parent) = *parent {
+            children[next[parent]] = &node.id;
+            next[parent] += 1;
         }
     }
-    nodes
-        .iter()
-        .map(N::borrow)
-        .map(|node| NodeView { node, children: children.remove(node.id.as_str()).unwrap_or_default() })
-        .collect()
+    NodeViews { nodes, children, starts }
 }
 
 /// A node nothing hangs under yet (a reply just written).
 pub fn leaf(node: &Node) -> NodeView<'_> {
-    NodeView { node, children: Vec::new() }
+    NodeView { node, children: &[] }
 }
 
 #[derive(Serialize)]
@@ -202,6 +249,7 @@ mod tests {
             json!([flattened(&bare, &["m2"]), flattened(&full, &[])]),
             "the user message has the reply as its child"
         );
+        assert_eq!(shown(&[]), json!([]));
         let bare_view = serde_json::to_value(leaf(&bare)).expect("serializes");
         for absent in ["parts", "tool_calls", "tool_call_id", "tool_name", "tool_status"] {
             assert!(bare_view.get(absent).is_none(), "{absent} is left out when empty");
@@ -210,5 +258,34 @@ mod tests {
             assert_eq!(bare_view[null], Value::Null, "{null} is shown as null");
         }
         assert_eq!(bare_view["created_at"], "1970-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn children_are_listed_in_the_lists_order_whatever_order_their_parents_come_in() {
+        let node = |id: &str, parent: Option<&str>| Node::new(id, "c1", parent.map(Into::into), Message::user(id), 0);
+        // d before its parent b; b and c both under a; e's parent is not
+        // in the list (a path shown alone, say).
+        let list = [
+            node("d", Some("b")),
+            node("a", None),
+            node("b", Some("a")),
+            node("c", Some("a")),
+            node("f", Some("b")),
+            node("e", Some("missing")),
+        ];
+        let views = serde_json::to_value(nodes(&list)).expect("views serialize");
+        let shown: Vec<(&str, Vec<&str>)> = views
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|view| {
+                let children = view["children"].as_array().expect("children").iter();
+                (view["id"].as_str().expect("id"), children.map(|child| child.as_str().expect("id")).collect())
+            })
+            .collect();
+        assert_eq!(
+            shown,
+            [("d", vec![]), ("a", vec!["b", "c"]), ("b", vec!["d", "f"]), ("c", vec![]), ("f", vec![]), ("e", vec![])]
+        );
     }
 }

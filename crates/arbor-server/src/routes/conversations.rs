@@ -98,7 +98,7 @@ async fn read(
     struct Body<'a> {
         #[serde(flatten)]
         conversation: views::ConversationView<'a>,
-        messages: Vec<views::NodeView<'a>>,
+        messages: views::NodeViews<'a>,
     }
     let body = Body { conversation: views::conversation(&tree.conversation), messages: views::nodes(&tree.messages) };
     Ok(Json(body).into_response())

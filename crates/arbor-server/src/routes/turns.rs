@@ -109,7 +109,7 @@ async fn submit(
             // `Value` (a map and a string copy per field).
             #[derive(serde::Serialize)]
             struct Recorded<'a> {
-                messages: Vec<views::NodeView<'a>>,
+                messages: views::NodeViews<'a>,
                 head_id: Option<String>,
                 head_version: i64,
             }
