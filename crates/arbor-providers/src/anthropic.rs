@@ -15,7 +15,9 @@
 //! fixture tests and mock servers can drive each half on its own.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use arbor_core::json::Verbatim;
 use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolStatus, Usage};
 use bytes::Bytes;
@@ -27,6 +29,7 @@ use serde_json::Value;
 use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpResponse, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
+use crate::written::{Elements, WrittenPaths};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
 
 /// The provider kind, and the owner recorded on the opaque data (thinking
@@ -83,6 +86,9 @@ pub struct AnthropicProvider {
     uri: hyper::Uri,
     /// The headers every request carries: the API version and the key.
     headers: HeaderMap,
+    /// The messages of recent long requests as written, shared by the
+    /// clones: a conversation's next turn writes only what is new.
+    written: Arc<WrittenPaths>,
 }
 
 impl AnthropicProvider {
@@ -104,7 +110,22 @@ impl AnthropicProvider {
         })?;
         headers.insert(HeaderName::from_static("anthropic-version"), version);
         let key = config.api_key.as_deref().map(|key| (HeaderName::from_static("x-api-key"), key));
-        Ok(AnthropicProvider { client, uri, headers: http::request_headers(headers, key)? })
+        Ok(AnthropicProvider { client, uri, headers: http::request_headers(headers, key)?, written: Arc::default() })
+    }
+
+    /// The body sent for `request`: the messages a recent long request
+    /// shares with it are not written again.
+    fn body(&self, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
+        let mut written = self.written.take(&request.messages, Elements::default().cut_at_starts());
+        wire_messages(written.unwritten(&request.messages), written.elements())?;
+        let body = written.elements().with_array(|messages| {
+            // Sized for the messages, which are most of it.
+            let mut body = String::with_capacity(messages.len() + 512);
+            arbor_core::json::write(&mut body, &build_request(request, messages, stream)).map_err(http::not_encoded)?;
+            Ok::<_, ProviderError>(body.into_bytes())
+        })?;
+        self.written.keep(written, &request.messages);
+        Ok(body)
     }
 
     /// Sends the request and returns the response if its status is a
@@ -122,13 +143,13 @@ impl Provider for AnthropicProvider {
     }
 
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
-        let body = http::json_body(&build_request(&request, true)?)?;
+        let body = self.body(&request, true)?;
         let response = self.send(body).await?;
         Ok(decode_body(response.into_stream()))
     }
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
-        let body = http::json_body(&build_request(&request, false)?)?;
+        let body = self.body(&request, false)?;
         let response = self.send(body).await?;
         let bytes = response.bytes().await?;
         let mut collected = Collected::default();
@@ -149,7 +170,7 @@ struct MessagesRequest<'a> {
     max_tokens: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     system: Option<&'a str>,
-    messages: Vec<WireMessage<'a>>,
+    messages: Verbatim<'a>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tools: Vec<WireTool<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -219,10 +240,15 @@ enum ImageSource<'a> {
 /// The request body Arbor sends for `request`, as JSON (for tests, mocks and
 /// debugging; the provider serialises the same value directly).
 pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, ProviderError> {
-    serde_json::to_value(build_request(request, stream)?).map_err(http::not_encoded)
+    let mut elements = Elements::default();
+    wire_messages(&request.messages, &mut elements)?;
+    elements
+        .with_array(|messages| serde_json::to_value(build_request(request, messages, stream)))
+        .map_err(http::not_encoded)
 }
 
-fn build_request(request: &ChatRequest, stream: bool) -> Result<MessagesRequest<'_>, ProviderError> {
+/// The request as sent: `messages` is the JSON array of its messages.
+fn build_request<'a>(request: &'a ChatRequest, messages: &'a str, stream: bool) -> MessagesRequest<'a> {
     let budget =
         request.reasoning.as_ref().and_then(thinking_budget).filter(|_| !unsigned_tool_loop(&request.messages));
     let thinking = budget.map(|budget_tokens| ThinkingConfig { kind: "enabled", budget_tokens });
@@ -243,16 +269,16 @@ fn build_request(request: &ChatRequest, stream: bool) -> Result<MessagesRequest<
         .iter()
         .map(|tool| WireTool { name: &tool.name, description: &tool.description, input_schema: &tool.parameters })
         .collect();
-    Ok(MessagesRequest {
+    MessagesRequest {
         model: &request.model,
         max_tokens,
         system: request.system.as_deref().filter(|system| !system.is_empty()),
-        messages: build_messages(&request.messages)?,
+        messages: Verbatim(messages),
         tools,
         temperature,
         thinking,
         stream,
-    })
+    }
 }
 
 /// The thinking budget a request asks for. An effort without a budget (the
@@ -289,12 +315,14 @@ fn unsigned_tool_loop(messages: &[SharedMessage]) -> bool {
     !last_assistant.tool_calls.is_empty() && !signed
 }
 
-/// Arbor's path as alternating turns. Consecutive messages of one side are
-/// merged into one turn, because the API wants user and assistant to
-/// alternate and wants all results of one round of tool calls in the single
-/// user turn that follows it.
-fn build_messages(messages: &[SharedMessage]) -> Result<Vec<WireMessage<'_>>, ProviderError> {
-    let mut turns: Vec<WireMessage<'_>> = Vec::new();
+/// Appends Arbor's path to `elements` as alternating turns. Consecutive
+/// messages of one side are merged into one turn, because the API wants
+/// user and assistant to alternate and wants all results of one round of
+/// tool calls in the single user turn that follows it. So a turn is
+/// written when the next one starts (or at the end), and the text can be
+/// cut only there.
+fn wire_messages<'a>(messages: &'a [SharedMessage], elements: &mut Elements) -> Result<(), ProviderError> {
+    let mut open: Option<WireMessage<'a>> = None;
     for message in messages {
         let (role, blocks) = match message.role {
             // The system prompt travels in `ChatRequest::system`; a stray
@@ -304,15 +332,23 @@ fn build_messages(messages: &[SharedMessage]) -> Result<Vec<WireMessage<'_>>, Pr
             Role::Tool => ("user", vec![tool_result_block(message)?]),
             Role::Assistant => ("assistant", assistant_blocks(message)),
         };
-        if blocks.is_empty() {
-            continue;
+        if !blocks.is_empty() {
+            match &mut open {
+                Some(turn) if turn.role == role => turn.content.extend(blocks),
+                _ => {
+                    if let Some(closed) = open.replace(WireMessage { role, content: blocks }) {
+                        elements.push(&closed)?;
+                        elements.cut_before();
+                    }
+                }
+            }
         }
-        match turns.last_mut() {
-            Some(last) if last.role == role => last.content.extend(blocks),
-            _ => turns.push(WireMessage { role, content: blocks }),
-        }
+        elements.end_message(false);
     }
-    Ok(turns)
+    if let Some(closed) = open {
+        elements.push(&closed)?;
+    }
+    Ok(())
 }
 
 fn user_blocks(message: &Message) -> Result<Vec<Block<'_>>, ProviderError> {
@@ -835,6 +871,88 @@ mod tests {
         assert!(error.message.contains("not a url"), "{}", error.message);
         let provider = made("http://127.0.0.1:9/ ").expect("a URL");
         assert_eq!(provider.uri.to_string(), "http://127.0.0.1:9/v1/messages");
+    }
+
+    /// A long conversation's turns, one after another, with runs that
+    /// merge into one turn (tool results, two user messages in a row), a
+    /// message that writes nothing and signed thinking: each body equals
+    /// the one a provider that keeps nothing writes, and a turn writes only
+    /// from the last turn it shares with the request before.
+    #[test]
+    fn a_long_conversations_bodies_are_written_as_if_whole_and_only_their_new_turns_are() {
+        let provider = || AnthropicProvider::new(AnthropicConfig::default()).expect("made");
+        let exchange = |index: usize| -> Vec<Message> {
+            let calls: Vec<ToolCall> = (0..2)
+                .map(|n| ToolCall {
+                    id: format!("c{index}-{n}"),
+                    name: "look".into(),
+                    arguments: json!({"n": n}),
+                    signature: None,
+                })
+                .collect();
+            let mut thinking = Message { tool_calls: calls.clone(), content: None, ..Message::assistant("") };
+            thinking.parts.push(Part::Thinking {
+                text: "hmm".into(),
+                signature: Some(ProviderOpaque { provider: KIND.into(), data: format!("sig{index}") }),
+            });
+            let mut turn = vec![Message::user(format!("question {index}")), thinking];
+            turn.extend(calls.iter().map(|call| Message::tool_result(call, ToolStatus::Success, "\"seen\"\n")));
+            turn.push(Message::assistant(format!("answer {index}")));
+            if index.is_multiple_of(4) {
+                // Nothing to send, and then a second user message in a row.
+                turn.push(Message::assistant(""));
+                turn.push(Message::user(format!("and also {index}")));
+                turn.push(Message::assistant(format!("more {index}")));
+            }
+            turn
+        };
+        let request = |messages: &[SharedMessage]| ChatRequest {
+            model: "m".into(),
+            messages: messages.to_vec(),
+            ..ChatRequest::default()
+        };
+        let keeping = provider();
+        let check = |messages: &[SharedMessage], label: &str| {
+            let whole = provider().body(&request(messages), true).expect("body");
+            let body = keeping.body(&request(messages), true).expect("body");
+            assert_eq!(String::from_utf8(body).unwrap(), String::from_utf8(whole).unwrap(), "{label}");
+            let value = request_body(&request(messages), true).expect("body");
+            let turns = value["messages"].as_array().expect("turns");
+            assert!(turns.windows(2).all(|pair| pair[0]["role"] != pair[1]["role"]), "{label}: turns alternate");
+        };
+
+        let mut trunk: Vec<SharedMessage> = SharedMessage::all((0..12).flat_map(exchange));
+        check(&trunk, "first turn");
+        trunk.extend(SharedMessage::all([Message::assistant("reply"), Message::user("next")]));
+        check(&trunk, "grown by a reply and a question");
+        // The last message's turn is open: written again, with the one
+        // before it when that one's end is not where a turn starts.
+        assert!(keeping.written.reusable(&trunk) >= trunk.len() - 2, "all but the end kept");
+        check(&trunk, "the same path again");
+        // The reply's turn was closed because the question started one:
+        // another assistant message in the question's place joins it.
+        let mut replaced = trunk[..trunk.len() - 1].to_vec();
+        replaced.push(SharedMessage::from(Message::assistant("said more")));
+        check(&replaced, "a message of the same side where a turn started");
+        check(&trunk, "and back");
+
+        let fork = trunk.iter().position(|message| message.content.as_deref() == Some("question 11")).expect("there");
+        let mut branch = trunk[..fork + 2].to_vec();
+        branch.push(SharedMessage::from(Message::user("another way")));
+        check(&branch, "another branch");
+        let reused = keeping.written.reusable(&trunk);
+        assert!((fork - 8..=fork + 1).contains(&reused), "up to the last turn before the fork: {reused}");
+        check(&trunk, "back to the trunk");
+
+        let mut edited = trunk.clone();
+        edited[40].to_mut().content = Some("edited".into());
+        check(&edited, "an edited message");
+        let mut merged = trunk.clone();
+        merged.push(SharedMessage::from(Message::user("a second question in a row")));
+        check(&merged, "a message that joins the last turn");
+        let mut empty = trunk.clone();
+        empty.extend(SharedMessage::all([Message::assistant(""), Message::user("after nothing")]));
+        check(&empty, "an assistant message that writes nothing, then one that joins the last turn");
     }
 
     #[test]

@@ -43,6 +43,10 @@ pub(crate) struct Elements {
     ends: Vec<Option<usize>>,
     /// Whether `ends` are recorded: only for a path that may be kept.
     recording: bool,
+    /// Whether a message's end is a cut only because the next message
+    /// started something new there (set by [`Elements::cut_before`]): then
+    /// it is one only while that next message is shared too.
+    cuts_at_starts: bool,
 }
 
 impl Default for Elements {
@@ -51,7 +55,7 @@ impl Default for Elements {
         // not moved to larger buffers as it grows.
         let mut text = String::with_capacity(1024);
         text.push('[');
-        Elements { text, head: 1, ends: Vec::new(), recording: false }
+        Elements { text, head: 1, ends: Vec::new(), recording: false, cuts_at_starts: false }
     }
 }
 
@@ -69,6 +73,21 @@ impl Elements {
     pub(crate) fn end_message(&mut self, cut: bool) {
         if self.recording {
             self.ends.push(cut.then_some(self.text.len()));
+        }
+    }
+
+    /// An array whose text can be cut only where a message starts
+    /// something new (an adapter that merges messages into one element).
+    pub(crate) fn cut_at_starts(self) -> Elements {
+        Elements { cuts_at_starts: true, ..self }
+    }
+
+    /// The text so far ends where the message being written starts
+    /// something new: the previous message's end is a cut.
+    pub(crate) fn cut_before(&mut self) {
+        let end = self.text.len();
+        if let Some(last) = self.ends.last_mut().filter(|_| self.recording) {
+            *last = Some(end);
         }
     }
 
@@ -117,7 +136,12 @@ impl Written {
     /// How many of the messages kept here start `path` too, cut back to
     /// where the text can be cut, and where their text ends.
     fn reusable(&self, path: &[SharedMessage]) -> (usize, usize) {
-        let shared = self.messages.iter().zip(path).take_while(|(kept, asked)| kept.same(asked)).count();
+        let mut shared = self.messages.iter().zip(path).take_while(|(kept, asked)| kept.same(asked)).count();
+        if self.elements.cuts_at_starts {
+            // A cut made by the message after it holds only while that
+            // message is the same.
+            shared = shared.saturating_sub(1);
+        }
         let mut ends = self.elements.ends[..shared].iter().enumerate().rev();
         ends.find_map(|(index, end)| Some((index + 1, (*end)?))).unwrap_or((0, self.elements.head))
     }
