@@ -2,12 +2,16 @@
 
 # The TOML of one OpenAI provider named PROVIDER on a loopback mock at PORT
 # and the model MODEL it serves, at the prices every bench model has.
+# MOCK_PROTOCOL=anthropic makes it an Anthropic provider (the scripts that
+# start the mock with `start_mock0` then start it speaking that protocol).
 mock_model_toml() { # MODEL PROVIDER PORT
+  local base_url="http://127.0.0.1:$3/v1"
+  if [[ ${MOCK_PROTOCOL:-openai} == anthropic ]]; then base_url="http://127.0.0.1:$3"; fi
   cat <<TOML
 
 [providers.$2]
-kind = "openai"
-base_url = "http://127.0.0.1:$3/v1"
+kind = "${MOCK_PROTOCOL:-openai}"
+base_url = "$base_url"
 
 [models."$1"]
 provider = "$2"
@@ -37,12 +41,13 @@ close_work() {
   if [[ $KEEP_WORK != keep ]]; then rm -rf "$WORK"; fi
 }
 
-# Starts the OpenAI mock on core 1 (20 chunks, TCP_NODELAY like a real
+# Starts the mock (OpenAI's protocol, or MOCK_PROTOCOL's) on core 1 (20 chunks, TCP_NODELAY like a real
 # provider) on port 9100, answering after DELAY_MS (default 0), and writes
 # $WORK/arbor.toml for it (`arbor_toml0`).
 start_mock0() { # [DELAY_MS]
   gcc -shared -fPIC -O2 -o "$WORK/nodelay.so" "$ROOT/bench/nodelay.c" -ldl
-  LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --listen 127.0.0.1:9100 --chunks 20 \
+  LD_PRELOAD=$WORK/nodelay.so taskset -c 1 "$BIN/arbor-mock" --protocol "${MOCK_PROTOCOL:-openai}" \
+    --listen 127.0.0.1:9100 --chunks 20 \
     --delay-ms "${1:-0}" --chunk-delay-ms "${MOCK_CHUNK_DELAY_MS:-0}" >"$WORK/mock.log" 2>&1 &
   PIDS+=($!)
   arbor_toml0

@@ -7,6 +7,7 @@
 #
 #   bench/treeprofile.sh                      the build in the target folder
 #   ARBOR_BIN=/path/to/arbor bench/treeprofile.sh --trunk 1000   another build, other sizes
+#   MOCK_PROTOCOL=anthropic bench/treeprofile.sh   the model behind Arbor's Anthropic adapter
 #
 # Defaults: --trunk 2000 --branches 20 --branch-length 50 --repeats 10. The
 # raw callgrind file stays in the folder printed last.
@@ -30,6 +31,6 @@ sleep 2
 dump=$(ls -t "$WORK"/callgrind.out.* | head -n1)
 echo "# callgrind: S5's shape (${args[*]}), $(basename "$ARBOR_BIN")"
 callgrind_annotate --inclusive=yes --threshold=100 "$dump" 2>/dev/null | grep -E \
-  'PROGRAM TOTALS|NodeView>::serialize|FromRequest<S>>::from_request::\{\{closure\}\} |TrackedSeed<X> as serde_core::de::DeserializeSeed>::deserialize \[|TurnTask::drive::\{\{closure\}\} |Node as core::clone::Clone|Message as core::clone::Clone|mi_malloc_aligned|mi_free \[' \
+  'PROGRAM TOTALS|NodeView>::serialize|NodeViews as serde_core::ser::Serialize>::serialize|Provider>::stream::\{\{closure\}\} |FromRequest<S>>::from_request::\{\{closure\}\} |TrackedSeed<X> as serde_core::de::DeserializeSeed>::deserialize \[|TurnTask::drive::\{\{closure\}\} |Node as core::clone::Clone|Message as core::clone::Clone|mi_malloc_aligned|mi_free \[' \
   | cut -c1-170 || true
 echo "raw: $dump"
