@@ -116,16 +116,9 @@ impl AnthropicProvider {
     /// The body sent for `request`: the messages a recent long request
     /// shares with it are not written again.
     fn body(&self, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
-        let mut written = self.written.take(&request.messages, Elements::default().cut_at_starts());
-        wire_messages(written.unwritten(&request.messages), written.elements())?;
-        let body = written.elements().with_array(|messages| {
-            // Sized for the messages, which are most of it.
-            let mut body = String::with_capacity(messages.len() + 512);
-            arbor_core::json::write(&mut body, &build_request(request, messages, stream)).map_err(http::not_encoded)?;
-            Ok::<_, ProviderError>(body.into_bytes())
-        })?;
-        self.written.keep(written, &request.messages);
-        Ok(body)
+        self.written.body(&request.messages, Elements::default().cut_at_starts(), wire_messages, |body, messages| {
+            arbor_core::json::write(body, &build_request(request, messages, stream))
+        })
     }
 
     /// Sends the request and returns the response if its status is a

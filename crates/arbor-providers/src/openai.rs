@@ -212,19 +212,12 @@ impl OpenAiProvider {
     /// The body sent for `request`: the messages a recent long request
     /// shares with it are not written again.
     fn body(&self, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
-        let head = system_head(request.system.as_deref())?;
-        let mut written = self.written.take(&request.messages, head);
-        wire_messages(written.unwritten(&request.messages), written.elements(), self.send_signatures)?;
-        let body = written.elements().with_array(|messages| {
-            // Sized for the messages, which are most of it: written once,
-            // never moved to a larger buffer.
-            let mut body = String::with_capacity(messages.len() + 512);
-            arbor_core::json::write(&mut body, &self.wire_request(request, messages, stream))
-                .map_err(http::not_encoded)?;
-            Ok::<_, ProviderError>(body.into_bytes())
-        })?;
-        self.written.keep(written, &request.messages);
-        Ok(body)
+        self.written.body(
+            &request.messages,
+            system_head(request.system.as_deref())?,
+            |messages, elements| wire_messages(messages, elements, self.send_signatures),
+            |body, messages| arbor_core::json::write(body, &self.wire_request(request, messages, stream)),
+        )
     }
 
     async fn post(&self, request: &ChatRequest, stream: bool) -> Result<http::HttpResponse, ProviderError> {

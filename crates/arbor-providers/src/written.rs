@@ -147,12 +147,12 @@ impl Written {
     }
 
     /// The messages of `path` left to write.
-    pub(crate) fn unwritten<'a>(&self, path: &'a [SharedMessage]) -> &'a [SharedMessage] {
+    fn unwritten<'a>(&self, path: &'a [SharedMessage]) -> &'a [SharedMessage] {
         &path[self.messages.len()..]
     }
 
     /// The array written so far, to append the rest to.
-    pub(crate) fn elements(&mut self) -> &mut Elements {
+    fn elements(&mut self) -> &mut Elements {
         &mut self.elements
     }
 }
@@ -170,7 +170,7 @@ impl WrittenPaths {
     /// last message the two share at a place its text can be cut; or
     /// `head` alone. Taken out until [`WrittenPaths::keep`] puts it back,
     /// so a path is never written by two at once.
-    pub(crate) fn take(&self, path: &[SharedMessage], head: Elements) -> Written {
+    fn take(&self, path: &[SharedMessage], head: Elements) -> Written {
         let Some(first) = path.first().filter(|_| path.len() >= LEAST_MESSAGES) else {
             return Written::starting(head, path);
         };
@@ -207,7 +207,7 @@ impl WrittenPaths {
     /// for the same path, the rest appended since), if the path is long
     /// enough and within the budget by itself; drops the least recently used
     /// paths past the limits.
-    pub(crate) fn keep(&self, mut written: Written, path: &[SharedMessage]) {
+    fn keep(&self, mut written: Written, path: &[SharedMessage]) {
         if path.len() < LEAST_MESSAGES || written.elements.text.len() > BUDGET_BYTES {
             return;
         }
@@ -223,6 +223,29 @@ impl WrittenPaths {
             oldest += 1;
         }
         paths.drain(..oldest);
+    }
+
+    /// A request body whose messages are `path`: `head` and the messages
+    /// a kept path shares with it as they were written, the rest appended
+    /// by `write_messages`, the array closed and given to `write_request`,
+    /// which writes the request around it into a buffer of its size.
+    pub(crate) fn body(
+        &self,
+        path: &[SharedMessage],
+        head: Elements,
+        write_messages: impl FnOnce(&[SharedMessage], &mut Elements) -> Result<(), ProviderError>,
+        write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
+    ) -> Result<Vec<u8>, ProviderError> {
+        let mut written = self.take(path, head);
+        write_messages(written.unwritten(path), written.elements())?;
+        let body = written.elements().with_array(|messages| {
+            // The messages are most of the body.
+            let mut body = String::with_capacity(messages.len() + 512);
+            write_request(&mut body, messages).map_err(crate::http::not_encoded)?;
+            Ok::<_, ProviderError>(body.into_bytes())
+        })?;
+        self.keep(written, path);
+        Ok(body)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Written>> {
