@@ -116,9 +116,7 @@ impl AnthropicProvider {
     /// The body sent for `request`: the messages a recent long request
     /// shares with it are not written again.
     fn body(&self, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
-        self.written.body(&request.messages, Elements::default().cut_at_starts(), wire_messages, |body, messages| {
-            arbor_core::json::write(body, &build_request(request, messages, stream))
-        })
+        body_in(&self.written, request, stream)
     }
 
     /// Sends the request and returns the response if its status is a
@@ -231,13 +229,17 @@ enum ImageSource<'a> {
 }
 
 /// The request body Arbor sends for `request`, as JSON (for tests, mocks and
-/// debugging; the provider serialises the same value directly).
+/// debugging): the bytes the provider would send, written whole (nothing
+/// kept to reuse), read back.
 pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, ProviderError> {
-    let mut elements = Elements::default();
-    wire_messages(&request.messages, &mut elements)?;
-    elements
-        .with_array(|messages| serde_json::to_value(build_request(request, messages, stream)))
-        .map_err(http::not_encoded)
+    serde_json::from_slice(&body_in(&WrittenPaths::default(), request, stream)?).map_err(http::not_encoded)
+}
+
+/// The body for `request`, reusing what `written` kept.
+fn body_in(written: &WrittenPaths, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
+    written.body(&request.messages, Elements::default().cut_at_starts(), wire_messages, |body, messages| {
+        arbor_core::json::write(body, &build_request(request, messages, stream))
+    })
 }
 
 /// The request as sent: `messages` is the JSON array of its messages.

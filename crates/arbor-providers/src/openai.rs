@@ -174,18 +174,12 @@ impl OpenAiProvider {
         })
     }
 
-    /// The JSON body this adapter sends for `request`.
+    /// The JSON body this adapter sends for `request`: the bytes it would
+    /// send, written whole (nothing kept to reuse), read back.
     pub fn request_body(&self, request: &ChatRequest, stream: bool) -> Value {
         // Serializing plain structs of strings and numbers cannot fail.
-        let Ok(mut elements) = system_head(request.system.as_deref()) else {
-            return Value::Null;
-        };
-        if wire_messages(&request.messages, &mut elements, self.send_signatures).is_err() {
-            return Value::Null;
-        }
-        elements
-            .with_array(|messages| serde_json::to_value(self.wire_request(request, messages, stream)))
-            .unwrap_or(Value::Null)
+        let body = self.body_in(&WrittenPaths::default(), request, stream);
+        body.ok().and_then(|body| serde_json::from_slice(&body).ok()).unwrap_or(Value::Null)
     }
 
     /// The request as sent: `messages` is the JSON array of its messages.
@@ -212,7 +206,12 @@ impl OpenAiProvider {
     /// The body sent for `request`: the messages a recent long request
     /// shares with it are not written again.
     fn body(&self, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
-        self.written.body(
+        self.body_in(&self.written, request, stream)
+    }
+
+    /// The body for `request`, reusing what `written` kept.
+    fn body_in(&self, written: &WrittenPaths, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
+        written.body(
             &request.messages,
             system_head(request.system.as_deref())?,
             |messages, elements| wire_messages(messages, elements, self.send_signatures),

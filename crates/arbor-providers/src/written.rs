@@ -113,7 +113,7 @@ impl Elements {
 }
 
 /// What was written for one path: its messages and their elements.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Written {
     /// The messages whose elements are in `elements`, held so that they
     /// are compared by where they are held ([`SharedMessage::same`]): the
@@ -157,6 +157,13 @@ impl Written {
     }
 }
 
+/// Where in `paths` the kept path for `path` is: the one that starts with
+/// the same message, for a path long enough to be kept.
+fn kept_for(paths: &[Written], path: &[SharedMessage]) -> Option<usize> {
+    let first = path.first().filter(|_| path.len() >= LEAST_MESSAGES)?;
+    paths.iter().position(|kept| kept.messages.first().is_some_and(|kept| kept.same(first)))
+}
+
 /// The paths kept, the most recently used last.
 #[derive(Debug, Default)]
 pub(crate) struct WrittenPaths {
@@ -171,12 +178,9 @@ impl WrittenPaths {
     /// `head` alone. Taken out until [`WrittenPaths::keep`] puts it back,
     /// so a path is never written by two at once.
     fn take(&self, path: &[SharedMessage], head: Elements) -> Written {
-        let Some(first) = path.first().filter(|_| path.len() >= LEAST_MESSAGES) else {
-            return Written::starting(head, path);
-        };
         let mut written = {
             let mut paths = self.lock();
-            match paths.iter().position(|kept| kept.messages.first().is_some_and(|kept| kept.same(first))) {
+            match kept_for(&paths, path) {
                 Some(index) => paths.remove(index),
                 None => return Written::starting(head, path),
             }
@@ -197,10 +201,7 @@ impl WrittenPaths {
     #[cfg(test)]
     pub(crate) fn reusable(&self, path: &[SharedMessage]) -> usize {
         let paths = self.lock();
-        let first = path.first().filter(|_| path.len() >= LEAST_MESSAGES);
-        let kept = first
-            .and_then(|first| paths.iter().find(|kept| kept.messages.first().is_some_and(|kept| kept.same(first))));
-        kept.map_or(0, |kept| kept.reusable(path).0)
+        kept_for(&paths, path).map_or(0, |index| paths[index].reusable(path).0)
     }
 
     /// Keeps what was written for `path` (taken by [`WrittenPaths::take`]
@@ -208,7 +209,7 @@ impl WrittenPaths {
     /// enough and within the budget by itself; drops the least recently used
     /// paths past the limits.
     fn keep(&self, mut written: Written, path: &[SharedMessage]) {
-        if path.len() < LEAST_MESSAGES || written.elements.text.len() > BUDGET_BYTES {
+        if !written.elements.recording || written.elements.text.len() > BUDGET_BYTES {
             return;
         }
         let unwritten = written.unwritten(path);

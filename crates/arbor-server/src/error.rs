@@ -87,6 +87,11 @@ impl ApiError {
         )
     }
 
+    /// A body that is not the JSON the route takes, `problem` naming why.
+    fn invalid_json(problem: String) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", problem)
+    }
+
     fn too_large() -> ApiError {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -104,7 +109,7 @@ impl From<JsonRejection> for ApiError {
             // Broken syntax and well-formed JSON of the wrong shape (a
             // missing or unknown field, a wrong type) are both the
             // caller's bad input.
-            _ => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", rejection.body_text()),
+            _ => ApiError::invalid_json(rejection.body_text()),
         }
     }
 }
@@ -115,7 +120,7 @@ impl From<BytesRejection> for ApiError {
     fn from(rejection: BytesRejection) -> ApiError {
         match rejection.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
-            _ => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", rejection.body_text()),
+            _ => ApiError::invalid_json(rejection.body_text()),
         }
     }
 }

@@ -1,8 +1,14 @@
 //! Bad input of every kind gets a clear 4xx and changes nothing.
 
-use arbor_testkit::{AppOptions, spawn_app, spawn_app_with};
+use arbor_testkit::{AppOptions, TestApp, spawn_app, spawn_app_with};
 use reqwest::Method;
 use serde_json::json;
+
+/// How many messages the conversation's tree holds.
+async fn stored_messages(app: &TestApp, key: &str, conversation: &str) -> usize {
+    let tree = app.get(key, &format!("/v1/conversations/{conversation}")).await;
+    tree.body["messages"].as_array().expect("messages").len()
+}
 
 #[tokio::test]
 async fn missing_or_wrong_keys_are_refused_with_401() {
@@ -48,8 +54,7 @@ async fn malformed_json_and_unknown_fields_are_400_naming_the_problem() {
     assert_eq!(bad_conversation.status, 400);
 
     // Nothing was written by any of these.
-    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
-    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0);
+    assert_eq!(stored_messages(&app, &key, &conversation).await, 0);
     let list = app.get(&key, "/v1/conversations").await;
     assert_eq!(list.body["conversations"].as_array().expect("list").len(), 1);
 }
@@ -110,8 +115,7 @@ async fn unknown_models_are_400_naming_the_model() {
     assert_eq!(unconfigured.status, 400);
     assert_eq!(unconfigured.body["error"]["code"], "model_unavailable");
 
-    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
-    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0, "the message was not recorded");
+    assert_eq!(stored_messages(&app, &key, &conversation).await, 0, "the message was not recorded");
 }
 
 #[tokio::test]
@@ -125,8 +129,7 @@ async fn a_body_over_the_limit_is_413() {
     let big = app.post(&key, &path, &json!({"content": "x".repeat(4096)})).await;
     assert_eq!(big.status, 413, "{:?}", big.body);
     assert_eq!(big.body["error"]["code"], "payload_too_large");
-    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
-    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0);
+    assert_eq!(stored_messages(&app, &key, &conversation).await, 0);
 }
 
 #[tokio::test]
@@ -148,8 +151,7 @@ async fn a_body_not_declared_json_is_415_and_nothing_is_written() {
         let body: serde_json::Value = response.json().await.expect("json error body");
         assert_eq!(body["error"]["code"], "unsupported_media_type", "{refused:?}");
     }
-    let tree = app.get(&key, &format!("/v1/conversations/{conversation}")).await;
-    assert_eq!(tree.body["messages"].as_array().expect("messages").len(), 0);
+    assert_eq!(stored_messages(&app, &key, &conversation).await, 0);
     for accepted in ["application/json", "Application/JSON; charset=utf-8", "application/vnd.arbor+json"] {
         let response = send(Some(accepted)).await.expect("sent");
         assert_eq!(response.status(), 201, "{accepted}");
