@@ -2,11 +2,16 @@
 
 # The TOML of one OpenAI provider named PROVIDER on a loopback mock at PORT
 # and the model MODEL it serves, at the prices every bench model has.
-# MOCK_PROTOCOL=anthropic makes it an Anthropic provider (the scripts that
-# start the mock with `start_mock0` then start it speaking that protocol).
+# MOCK_PROTOCOL=anthropic or gemini makes it a provider of that kind (the
+# scripts that start the mock with `start_mock0` then start it speaking
+# that protocol).
 mock_model_toml() { # MODEL PROVIDER PORT
-  local base_url="http://127.0.0.1:$3/v1"
-  if [[ ${MOCK_PROTOCOL:-openai} == anthropic ]]; then base_url="http://127.0.0.1:$3"; fi
+  local base_url
+  case ${MOCK_PROTOCOL:-openai} in
+    anthropic) base_url="http://127.0.0.1:$3" ;;
+    gemini) base_url="http://127.0.0.1:$3/v1beta" ;;
+    *) base_url="http://127.0.0.1:$3/v1" ;;
+  esac
   cat <<TOML
 
 [providers.$2]

@@ -7,7 +7,7 @@
 #
 #   bench/treeprofile.sh                      the build in the target folder
 #   ARBOR_BIN=/path/to/arbor bench/treeprofile.sh --trunk 1000   another build, other sizes
-#   MOCK_PROTOCOL=anthropic bench/treeprofile.sh   the model behind Arbor's Anthropic adapter
+#   MOCK_PROTOCOL=anthropic bench/treeprofile.sh   the model behind Arbor's Anthropic adapter (or gemini)
 #
 # Defaults: --trunk 2000 --branches 20 --branch-length 50 --repeats 10. The
 # raw callgrind file stays in the folder printed last.

@@ -237,9 +237,13 @@ pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, Provid
 
 /// The body for `request`, reusing what `written` kept.
 fn body_in(written: &WrittenPaths, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
-    written.body(&request.messages, Elements::default().cut_at_starts(), wire_messages, |body, messages| {
-        arbor_core::json::write(body, &build_request(request, messages, stream))
-    })
+    written.body(
+        &request.messages,
+        request.messages.len(),
+        Elements::default().cut_at_starts(),
+        wire_messages,
+        |body, messages| arbor_core::json::write(body, &build_request(request, messages, stream)),
+    )
 }
 
 /// The request as sent: `messages` is the JSON array of its messages.

@@ -16,9 +16,10 @@
 //! [`error_from_response`] are public so that fixture tests and mock servers
 //! can drive each half on its own.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
+use arbor_core::json::Verbatim;
 use arbor_core::message::ProviderOpaque;
 use arbor_core::{ErrorCode, Message, Part, ProviderError, Role, SharedMessage, ToolStatus, Usage};
 use bytes::Bytes;
@@ -30,6 +31,7 @@ use serde_json::{Map, Value, json};
 use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpResponse, HttpTimeouts};
 use crate::sse::{BodyError, sse_events};
+use crate::written::{Elements, WrittenPaths};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
 
 /// The provider kind, and the owner recorded on the thought signatures this
@@ -73,6 +75,10 @@ pub struct GeminiProvider {
     client: HttpClient,
     /// The headers every request carries: the content type and the key.
     headers: HeaderMap,
+    /// The contents of recent long requests as written, shared by the
+    /// provider's clones, so that what a request shares with an earlier
+    /// one is not written again.
+    written: Arc<WrittenPaths>,
 }
 
 impl GeminiProvider {
@@ -80,7 +86,7 @@ impl GeminiProvider {
         let client = HttpClient::new(&config.timeouts)?;
         let key = config.api_key.as_deref().map(|key| (HeaderName::from_static("x-goog-api-key"), key));
         let headers = http::request_headers(HeaderMap::new(), key)?;
-        Ok(GeminiProvider { config, client, headers })
+        Ok(GeminiProvider { config, client, headers, written: Arc::default() })
     }
 
     fn url(&self, model: &str, method: &str) -> String {
@@ -106,7 +112,7 @@ impl Provider for GeminiProvider {
     }
 
     async fn stream(&self, request: ChatRequest) -> Result<ChunkStream, ProviderError> {
-        let body = http::json_body(&build_request(&request)?)?;
+        let body = body_in(&self.written, &request)?;
         let url = self.url(&request.model, "streamGenerateContent?alt=sse");
         let response = self.send(url, body).await?;
         // Without `alt=sse` (a proxy may drop it) the same stream comes as
@@ -117,7 +123,7 @@ impl Provider for GeminiProvider {
     }
 
     async fn complete(&self, request: ChatRequest) -> Result<Collected, ProviderError> {
-        let body = http::json_body(&build_request(&request)?)?;
+        let body = body_in(&self.written, &request)?;
         let url = self.url(&request.model, "generateContent");
         let response = self.send(url, body).await?;
         let bytes = response.bytes().await?;
@@ -136,7 +142,8 @@ impl Provider for GeminiProvider {
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 struct GenerateContentRequest<'a> {
-    contents: Vec<Content<'a>>,
+    /// The JSON array of the contents.
+    contents: Verbatim<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     system_instruction: Option<SystemInstruction<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -237,12 +244,30 @@ struct FunctionResponse<'a> {
 }
 
 /// The request body Arbor sends for `request` (the same for streamed and
-/// non-streamed calls; the URL differs), as JSON for tests and mocks.
+/// non-streamed calls; the URL differs), as JSON for tests and mocks: the
+/// bytes the provider would send, written whole (nothing kept to reuse),
+/// read back.
 pub fn request_body(request: &ChatRequest) -> Result<Value, ProviderError> {
-    serde_json::to_value(build_request(request)?).map_err(http::not_encoded)
+    serde_json::from_slice(&body_in(&WrittenPaths::default(), request)?).map_err(http::not_encoded)
 }
 
-fn build_request(request: &ChatRequest) -> Result<GenerateContentRequest<'_>, ProviderError> {
+/// The body for `request`, reusing what `written` kept of the contents
+/// before the current turn.
+fn body_in(written: &WrittenPaths, request: &ChatRequest) -> Result<Vec<u8>, ProviderError> {
+    let path = &request.messages;
+    let current = current_turn(path);
+    let sign = validates_signatures(&request.model);
+    written.body(
+        path,
+        current,
+        Elements::default().cut_at_starts(),
+        |unwritten, elements| wire_contents(path, path.len() - unwritten.len(), current, sign, elements),
+        |body, contents| arbor_core::json::write(body, &build_request(request, contents)),
+    )
+}
+
+/// The request as sent: `contents` is the JSON array of its contents.
+fn build_request<'a>(request: &'a ChatRequest, contents: &'a str) -> GenerateContentRequest<'a> {
     let thinking_config = request.reasoning.as_ref().map(|reasoning| match reasoning.budget_tokens {
         // A budget of 0 turns thinking off, so there are no thoughts to show.
         Some(budget) => ThinkingConfig { thinking_budget: Some(budget), include_thoughts: budget > 0 },
@@ -267,8 +292,8 @@ fn build_request(request: &ChatRequest) -> Result<GenerateContentRequest<'_>, Pr
             parameters: gemini_schema(&tool.parameters),
         })
         .collect();
-    Ok(GenerateContentRequest {
-        contents: build_contents(&request.messages, &request.model)?,
+    GenerateContentRequest {
+        contents: Verbatim(contents),
         system_instruction: request
             .system
             .as_deref()
@@ -280,7 +305,7 @@ fn build_request(request: &ChatRequest) -> Result<GenerateContentRequest<'_>, Pr
             vec![WireTools { function_declarations: declarations }]
         },
         generation_config: has_config.then_some(generation_config),
-    })
+    }
 }
 
 /// Which kind of turn a content is, for merging.
@@ -291,41 +316,64 @@ enum TurnKind {
     Model,
 }
 
-/// Arbor's path as Gemini contents. Consecutive messages of one kind share
-/// a turn (all results of one round of calls must answer it together), but
-/// function responses keep a turn of their own, apart from user text, as
-/// Gemini's own clients send them.
-fn build_contents<'a>(messages: &'a [SharedMessage], model: &str) -> Result<Vec<Content<'a>>, ProviderError> {
-    // Gemini matches a response to its call by name, so a tool result
-    // without a name borrows its call's.
-    let mut call_names: HashMap<&str, &str> = HashMap::new();
-    let mut turns: Vec<(TurnKind, Content<'_>)> = Vec::new();
-    for message in messages {
+/// Appends Arbor's path, from the message at `from` on, to `elements` as
+/// Gemini contents. Consecutive messages of one kind share a content (all
+/// results of one round of calls must answer it together), but function
+/// responses keep a content of their own, apart from user text, as Gemini's
+/// own clients send them. So a content is written when the next one starts
+/// (or at the end), and the text can be cut only there; and only up to the
+/// current turn (which starts at `current`), whose model contents may be
+/// signed ([`sign_foreign_call`]) while a later user message would leave
+/// them as they are.
+fn wire_contents<'a>(
+    path: &'a [SharedMessage],
+    from: usize,
+    current: usize,
+    sign: bool,
+    elements: &mut Elements,
+) -> Result<(), ProviderError> {
+    // The content being filled: its kind, the message it starts with, and
+    // its parts so far.
+    let mut open: Option<(TurnKind, usize, Content<'a>)> = None;
+    let write = |(kind, start, mut content): (TurnKind, usize, Content<'a>), elements: &mut Elements| {
+        if sign && kind == TurnKind::Model && start >= current {
+            sign_foreign_call(&mut content);
+        }
+        elements.push(&content)
+    };
+    for (index, message) in path.iter().enumerate().skip(from) {
         let (kind, parts) = match message.role {
             Role::User | Role::System => (TurnKind::User, user_parts(message)),
-            Role::Tool => (TurnKind::ToolResults, vec![function_response_part(message, &call_names)?]),
-            Role::Assistant => {
-                for call in &message.tool_calls {
-                    call_names.insert(&call.id, &call.name);
-                }
-                (TurnKind::Model, model_parts(message))
-            }
+            Role::Tool => (TurnKind::ToolResults, vec![function_response_part(message, &path[..index])?]),
+            Role::Assistant => (TurnKind::Model, model_parts(message)),
         };
-        if parts.is_empty() {
-            continue;
-        }
-        match turns.last_mut() {
-            Some((last, content)) if *last == kind => content.parts.extend(parts),
-            _ => {
-                let role = if kind == TurnKind::Model { "model" } else { "user" };
-                turns.push((kind, Content { role, parts }));
+        if !parts.is_empty() {
+            match &mut open {
+                Some((last, _, content)) if *last == kind => content.parts.extend(parts),
+                _ => {
+                    let role = if kind == TurnKind::Model { "model" } else { "user" };
+                    if let Some(closed) = open.replace((kind, index, Content { role, parts })) {
+                        write(closed, elements)?;
+                        if index <= current {
+                            elements.cut_before();
+                        }
+                    }
+                }
             }
         }
+        elements.end_message(false);
     }
-    if validates_signatures(model) {
-        sign_foreign_calls_of_current_turn(&mut turns);
+    match open {
+        Some(closed) => write(closed, elements),
+        None => Ok(()),
     }
-    Ok(turns.into_iter().map(|(_, content)| content).collect())
+}
+
+/// Where the current turn starts: after the last message that gives the
+/// user's content a part (Gemini checks signatures only from there on).
+fn current_turn(messages: &[SharedMessage]) -> usize {
+    let user = |message: &SharedMessage| matches!(message.role, Role::User | Role::System);
+    messages.iter().rposition(|message| user(message) && !user_parts(message).is_empty()).map_or(0, |last| last + 1)
 }
 
 /// The placeholder Google documents for function calls Gemini did not make
@@ -341,18 +389,13 @@ fn validates_signatures(model: &str) -> bool {
 /// A conversation that moved to Gemini in the middle of a tool loop carries
 /// calls another provider made, with no signature. Only the current turn
 /// (after the last user message) is checked, and only the first call of each
-/// step, so only those get the placeholder.
-fn sign_foreign_calls_of_current_turn(turns: &mut [(TurnKind, Content<'_>)]) {
-    let current = turns.iter().rposition(|(kind, _)| *kind == TurnKind::User).map_or(0, |last| last + 1);
-    for (kind, content) in &mut turns[current..] {
-        if *kind != TurnKind::Model {
-            continue;
-        }
-        if let Some(first_call) = content.parts.iter_mut().find(|part| part.function_call.is_some())
-            && first_call.thought_signature.is_none()
-        {
-            first_call.thought_signature = Some(FOREIGN_CALL_SIGNATURE);
-        }
+/// step, so the first call of each of its model contents gets the
+/// placeholder.
+fn sign_foreign_call(content: &mut Content<'_>) {
+    if let Some(first_call) = content.parts.iter_mut().find(|part| part.function_call.is_some())
+        && first_call.thought_signature.is_none()
+    {
+        first_call.thought_signature = Some(FOREIGN_CALL_SIGNATURE);
     }
 }
 
@@ -452,15 +495,23 @@ fn model_parts(message: &Message) -> Vec<WirePart<'_>> {
     parts
 }
 
+/// `message`'s result as a function response. Gemini matches a response to
+/// its call by name, so a result without a name borrows its call's, the
+/// nearest call with its id among the `earlier` messages.
 fn function_response_part<'a>(
     message: &'a Message,
-    call_names: &HashMap<&str, &'a str>,
+    earlier: &'a [SharedMessage],
 ) -> Result<WirePart<'a>, ProviderError> {
     let id = message
         .tool_call_id
         .as_deref()
         .ok_or_else(|| ProviderError::new(ErrorCode::InvalidRequest, "a tool result message has no tool_call_id"))?;
-    let name = message.tool_name.as_deref().or_else(|| call_names.get(id).copied()).ok_or_else(|| {
+    let call_name = || {
+        let assistants = earlier.iter().rev().filter(|earlier| earlier.role == Role::Assistant);
+        let calls = assistants.flat_map(|assistant| assistant.tool_calls.iter().rev());
+        calls.filter(|call| call.id == id).map(|call| call.name.as_str()).next()
+    };
+    let name = message.tool_name.as_deref().or_else(call_name).ok_or_else(|| {
         ProviderError::new(
             ErrorCode::InvalidRequest,
             format!("the tool result for call {id} names no tool, and no earlier call has that id"),
@@ -1349,7 +1400,99 @@ fn retry_delay(details: &[Value]) -> Option<Duration> {
 
 #[cfg(test)]
 mod tests {
+    use arbor_core::ToolCall;
+
     use super::*;
+
+    /// A long conversation's turns, one after another, with tool loops
+    /// whose calls another provider made (so the current turn's are signed
+    /// with the placeholder, and only while they are current), results that
+    /// name no tool, runs that merge into one content and a message that
+    /// writes nothing: each body equals the one a provider that keeps
+    /// nothing writes, and a turn writes only from the last content it
+    /// shares with the request before, up to its current turn.
+    #[test]
+    fn a_long_conversations_bodies_are_written_as_if_whole_and_only_their_new_turns_are() {
+        let keeping = GeminiProvider::new(GeminiConfig::default()).expect("made");
+        let loop_of = |label: String| -> Vec<Message> {
+            let calls: Vec<ToolCall> = (0..2)
+                .map(|n| ToolCall {
+                    id: format!("{label}-{n}"),
+                    name: format!("look{n}"),
+                    arguments: json!({"n": n}),
+                    signature: None,
+                })
+                .collect();
+            let asking = Message { tool_calls: calls.clone(), content: None, ..Message::assistant("") };
+            let results = calls.iter().map(|call| Message {
+                tool_name: None,
+                ..Message::tool_result(call, ToolStatus::Success, r#"{"seen":true}"#)
+            });
+            [asking].into_iter().chain(results).collect()
+        };
+        let exchange = |index: usize| -> Vec<Message> {
+            let mut turn = vec![Message::user(format!("question {index}"))];
+            turn.extend(loop_of(format!("c{index}")));
+            turn.push(Message::assistant(format!("answer {index}")));
+            if index.is_multiple_of(4) {
+                // Nothing to send, and then a second user message in a row.
+                turn.push(Message::assistant(""));
+                turn.push(Message::user(format!("and also {index}")));
+                turn.push(Message::assistant(format!("more {index}")));
+            }
+            turn
+        };
+        let request = |messages: &[SharedMessage]| ChatRequest {
+            model: "gemini-3-pro-preview".into(),
+            messages: messages.to_vec(),
+            ..ChatRequest::default()
+        };
+        let check = |messages: &[SharedMessage], label: &str| -> usize {
+            let whole = body_in(&WrittenPaths::default(), &request(messages)).expect("body");
+            let body = body_in(&keeping.written, &request(messages)).expect("body");
+            assert_eq!(String::from_utf8(body).unwrap(), String::from_utf8(whole).unwrap(), "{label}");
+            let value = request_body(&request(messages)).expect("body");
+            let parts: Vec<&Value> = value["contents"]
+                .as_array()
+                .expect("contents")
+                .iter()
+                .flat_map(|content| content["parts"].as_array().expect("parts"))
+                .collect();
+            let names = parts.iter().filter_map(|part| part["functionResponse"]["name"].as_str());
+            assert!(names.clone().count() > 0 && names.clone().all(|name| name.starts_with("look")), "{label}");
+            parts.iter().filter(|part| part["thoughtSignature"] == FOREIGN_CALL_SIGNATURE).count()
+        };
+
+        let mut trunk: Vec<SharedMessage> = SharedMessage::all((0..12).flat_map(exchange));
+        trunk.push(SharedMessage::from(Message::user("go on")));
+        assert_eq!(check(&trunk, "first turn"), 0, "no call is in the current turn");
+        trunk.extend(SharedMessage::all([Message::assistant("reply"), Message::user("next")]));
+        check(&trunk, "grown by a reply and a question");
+        assert!(keeping.written.reusable(&trunk) >= trunk.len() - 2, "all but the end kept");
+
+        let mut looping = trunk.clone();
+        looping.extend(SharedMessage::all(loop_of("now".into())));
+        assert_eq!(check(&looping, "a tool loop"), 1, "the current turn's call is signed");
+        let mut ended = looping.clone();
+        ended.extend(SharedMessage::all([Message::assistant("done"), Message::user("thanks")]));
+        assert_eq!(check(&ended, "the loop ended by a user message"), 0, "no longer current: not signed");
+        assert_eq!(check(&looping, "back into the loop, on another branch"), 1, "current again");
+        let mut twice = looping.clone();
+        twice.extend(SharedMessage::all(loop_of("again".into())));
+        assert_eq!(check(&twice, "a second step"), 2);
+
+        let fork = trunk.iter().position(|message| message.content.as_deref() == Some("question 11")).expect("there");
+        let mut branch = trunk[..fork + 2].to_vec();
+        branch.push(SharedMessage::from(Message::user("another way")));
+        check(&branch, "another branch");
+        check(&trunk, "back to the trunk");
+        let mut edited = trunk.clone();
+        edited[40].to_mut().content = Some("edited".into());
+        check(&edited, "an edited message");
+        let mut merged = trunk.clone();
+        merged.push(SharedMessage::from(Message::user("a second question in a row")));
+        check(&merged, "a message that joins the last content");
+    }
 
     #[test]
     fn json_paths_set_nested_values_and_append_strings() {

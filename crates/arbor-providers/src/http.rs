@@ -255,11 +255,6 @@ pub fn request_headers(mut headers: HeaderMap, key: Option<(HeaderName, &str)>) 
     Ok(headers)
 }
 
-/// A request body: `request` as JSON (`arbor_core::json`).
-pub fn json_body<T: serde::Serialize>(request: &T) -> Result<Vec<u8>, ProviderError> {
-    arbor_core::json::to_vec(request).map_err(not_encoded)
-}
-
 /// A request that could not be written as JSON (a map with keys that are
 /// not strings, say): Arbor's fault, not the caller's.
 pub fn not_encoded(error: serde_json::Error) -> ProviderError {

@@ -213,6 +213,7 @@ impl OpenAiProvider {
     fn body_in(&self, written: &WrittenPaths, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
         written.body(
             &request.messages,
+            request.messages.len(),
             system_head(request.system.as_deref())?,
             |messages, elements| wire_messages(messages, elements, self.send_signatures),
             |body, messages| arbor_core::json::write(body, &self.wire_request(request, messages, stream)),

@@ -133,10 +133,12 @@ impl Written {
         Written { messages: Vec::new(), elements: Elements { head: head_end, ends, recording, ..head } }
     }
 
-    /// How many of the messages kept here start `path` too, cut back to
-    /// where the text can be cut, and where their text ends.
-    fn reusable(&self, path: &[SharedMessage]) -> (usize, usize) {
-        let mut shared = self.messages.iter().zip(path).take_while(|(kept, asked)| kept.same(asked)).count();
+    /// How many of the messages kept here start `path` too, no more than
+    /// `settled` of them, cut back to where the text can be cut, and where
+    /// their text ends.
+    fn reusable(&self, path: &[SharedMessage], settled: usize) -> (usize, usize) {
+        let shared = self.messages.iter().zip(&path[..settled.min(path.len())]);
+        let mut shared = shared.take_while(|(kept, asked)| kept.same(asked)).count();
         if self.elements.cuts_at_starts {
             // A cut made by the message after it holds only while that
             // message is the same.
@@ -174,10 +176,11 @@ impl WrittenPaths {
     /// What is already written of `path` after `head` (an array holding
     /// the elements that come before the path's): the kept path that
     /// starts with the same message and the same head, cut back to the
-    /// last message the two share at a place its text can be cut; or
-    /// `head` alone. Taken out until [`WrittenPaths::keep`] puts it back,
-    /// so a path is never written by two at once.
-    fn take(&self, path: &[SharedMessage], head: Elements) -> Written {
+    /// last message the two share, among the first `settled` of `path`, at
+    /// a place its text can be cut; or `head` alone. Taken out until
+    /// [`WrittenPaths::keep`] puts it back, so a path is never written by
+    /// two at once.
+    fn take(&self, path: &[SharedMessage], settled: usize, head: Elements) -> Written {
         let mut written = {
             let mut paths = self.lock();
             match kept_for(&paths, path) {
@@ -188,7 +191,7 @@ impl WrittenPaths {
         if written.elements.head() != head.text {
             return Written::starting(head, path);
         }
-        let (messages, end) = written.reusable(path);
+        let (messages, end) = written.reusable(path, settled);
         written.messages.truncate(messages);
         written.elements.truncate(messages, end);
         written
@@ -201,7 +204,7 @@ impl WrittenPaths {
     #[cfg(test)]
     pub(crate) fn reusable(&self, path: &[SharedMessage]) -> usize {
         let paths = self.lock();
-        kept_for(&paths, path).map_or(0, |index| paths[index].reusable(path).0)
+        kept_for(&paths, path).map_or(0, |index| paths[index].reusable(path, path.len()).0)
     }
 
     /// Keeps what was written for `path` (taken by [`WrittenPaths::take`]
@@ -230,14 +233,20 @@ impl WrittenPaths {
     /// a kept path shares with it as they were written, the rest appended
     /// by `write_messages`, the array closed and given to `write_request`,
     /// which writes the request around it into a buffer of its size.
+    ///
+    /// Only the first `settled` messages of `path` may be taken as kept:
+    /// those whose text this request writes as any other would (an adapter
+    /// that writes the current turn's messages differently says where that
+    /// turn starts).
     pub(crate) fn body(
         &self,
         path: &[SharedMessage],
+        settled: usize,
         head: Elements,
         write_messages: impl FnOnce(&[SharedMessage], &mut Elements) -> Result<(), ProviderError>,
         write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
     ) -> Result<Vec<u8>, ProviderError> {
-        let mut written = self.take(path, head);
+        let mut written = self.take(path, settled, head);
         write_messages(written.unwritten(path), written.elements())?;
         let body = written.elements().with_array(|messages| {
             // The messages are most of the body.
@@ -280,7 +289,7 @@ mod tests {
         if let Some(head) = head {
             elements.push(head).unwrap();
         }
-        let mut written = paths.take(path, elements);
+        let mut written = paths.take(path, path.len(), elements);
         let unwritten = written.unwritten(path);
         let elements = written.elements();
         let mut held = Vec::new();
