@@ -103,15 +103,35 @@ fn json_content_type(headers: &HeaderMap) -> bool {
 /// response type here allows, is a plain-text 500 as with `axum::Json`.
 impl<T: Serialize> IntoResponse for Json<T> {
     fn into_response(self) -> Response {
-        match arbor_core::json::to_vec(&self.0) {
-            Ok(body) => ([(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response(),
-            Err(error) => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                [(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"))],
-                error.to_string(),
-            )
-                .into_response(),
-        }
+        json_response(&self.0, 128)
+    }
+}
+
+/// A JSON response whose size is known roughly beforehand (a tree of
+/// thousands of messages, [`crate::views::NodeViews::bytes`]): written into
+/// a buffer of about that size.
+pub struct LargeJson<T> {
+    pub body: T,
+    pub bytes: usize,
+}
+
+impl<T: Serialize> IntoResponse for LargeJson<T> {
+    fn into_response(self) -> Response {
+        json_response(&self.body, self.bytes)
+    }
+}
+
+/// `body` as a JSON response, written into a buffer of `capacity` bytes to
+/// start with.
+fn json_response<T: Serialize>(body: &T, capacity: usize) -> Response {
+    match arbor_core::json::to_vec_with_capacity(body, capacity) {
+        Ok(body) => ([(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response(),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"))],
+            error.to_string(),
+        )
+            .into_response(),
     }
 }
 

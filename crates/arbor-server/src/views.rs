@@ -61,6 +61,25 @@ pub struct NodeViews<'a> {
     starts: Vec<usize>,
 }
 
+impl NodeViews<'_> {
+    /// About how many bytes of JSON the views are: their text and ids, and
+    /// what a node's other fields take (a little more than a plain
+    /// message's). A node's parts and tool calls are not counted.
+    pub fn bytes(&self) -> usize {
+        let node = |node: &&Node| {
+            let content = node.message.content.as_ref().map_or(0, String::len);
+            NODE_FIELDS_BYTES + content + node.id.len() + node.conversation_id.len()
+        };
+        let children: usize = self.children.iter().map(|id| id.len() + 3).sum();
+        self.nodes.iter().map(node).sum::<usize>() + children + 2
+    }
+}
+
+/// What a [`NodeView`]'s fields but its content, own id and conversation
+/// id take, about: the keys, a parent's id, a time, and every other node's
+/// model, provider and turn id (a user's message and its reply).
+const NODE_FIELDS_BYTES: usize = 300;
+
 impl Serialize for NodeViews<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_seq(self.nodes.iter().enumerate().map(|(index, node)| NodeView {
@@ -258,6 +277,43 @@ mod tests {
             assert_eq!(bare_view[null], Value::Null, "{null} is shown as null");
         }
         assert_eq!(bare_view["created_at"], "1970-01-01T00:00:00Z");
+    }
+
+    /// The size a tree's response is written into is enough for a
+    /// conversation of plain messages (no buffer grown on the way) without
+    /// being much more than it.
+    #[test]
+    fn a_trees_size_is_known_beforehand_within_a_tenth() {
+        let conversation = arbor_core::ids::new_id();
+        let mut list: Vec<Node> = Vec::new();
+        for index in 0..400 {
+            let parent = list.last().map(|node: &Node| node.id.clone());
+            let text = "word ".repeat(index % 80 + 2);
+            let node = if index % 2 == 0 {
+                Node::new(arbor_core::ids::new_id(), &conversation, parent, Message::user(text), 1_764_000_000_000)
+            } else {
+                Node {
+                    model: Some("gpt-4o-mini".into()),
+                    provider: Some("openai".into()),
+                    turn_id: Some(arbor_core::ids::new_id()),
+                    ..Node::new(
+                        arbor_core::ids::new_id(),
+                        &conversation,
+                        parent,
+                        Message::assistant(text),
+                        1_764_000_000_321,
+                    )
+                }
+            };
+            list.push(node);
+        }
+        for count in [1, 2, 40, 400] {
+            let views = nodes(&list[..count]);
+            let written = arbor_core::json::to_vec(&views).expect("serializes").len();
+            let estimate = views.bytes();
+            assert!(estimate >= written, "{count}: {estimate} for {written} bytes");
+            assert!(count < 40 || estimate <= written + written / 10, "{count}: {estimate} for {written} bytes");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{Caller, Json, Query};
+use crate::extract::{Caller, Json, LargeJson, Query};
 use crate::views;
 
 pub fn router() -> Router<AppState> {
@@ -100,8 +100,10 @@ async fn read(
         conversation: views::ConversationView<'a>,
         messages: views::NodeViews<'a>,
     }
-    let body = Body { conversation: views::conversation(&tree.conversation), messages: views::nodes(&tree.messages) };
-    Ok(Json(body).into_response())
+    let messages = views::nodes(&tree.messages);
+    let bytes = messages.bytes() + 1024;
+    let body = Body { conversation: views::conversation(&tree.conversation), messages };
+    Ok(LargeJson { body, bytes }.into_response())
 }
 
 #[derive(Deserialize)]

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{Caller, Json, Query, WantsEventStream};
+use crate::extract::{Caller, Json, LargeJson, Query, WantsEventStream};
 use crate::{sse, views};
 
 pub fn router() -> Router<AppState> {
@@ -113,8 +113,10 @@ async fn submit(
                 head_id: Option<String>,
                 head_version: i64,
             }
-            let body = Recorded { messages: views::nodes(&messages), head_id, head_version };
-            Ok((StatusCode::CREATED, Json(body)).into_response())
+            let messages = views::nodes(&messages);
+            let bytes = messages.bytes() + 128;
+            let body = Recorded { messages, head_id, head_version };
+            Ok((StatusCode::CREATED, LargeJson { body, bytes }).into_response())
         }
         Submitted::HeadMoved { head_id, head_version } => {
             Ok(Json(json!({"head_id": head_id, "head_version": head_version})).into_response())
