@@ -15,7 +15,6 @@
 //! fixture tests and mock servers can drive each half on its own.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use arbor_core::json::Verbatim;
 use arbor_core::message::ProviderOpaque;
@@ -29,7 +28,7 @@ use serde_json::Value;
 use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpResponse, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
-use crate::written::{Elements, WrittenPaths};
+use crate::written::{Elements, Kept};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
 
 /// The provider kind, and the owner recorded on the opaque data (thinking
@@ -88,7 +87,7 @@ pub struct AnthropicProvider {
     headers: HeaderMap,
     /// The messages of recent long requests as written, shared by the
     /// clones: a conversation's next turn writes only what is new.
-    written: Arc<WrittenPaths>,
+    written: Kept,
 }
 
 impl AnthropicProvider {
@@ -110,7 +109,7 @@ impl AnthropicProvider {
         })?;
         headers.insert(HeaderName::from_static("anthropic-version"), version);
         let key = config.api_key.as_deref().map(|key| (HeaderName::from_static("x-api-key"), key));
-        Ok(AnthropicProvider { client, uri, headers: http::request_headers(headers, key)?, written: Arc::default() })
+        Ok(AnthropicProvider { client, uri, headers: http::request_headers(headers, key)?, written: Kept::shared() })
     }
 
     /// The body sent for `request`: the messages a recent long request
@@ -232,11 +231,11 @@ enum ImageSource<'a> {
 /// debugging): the bytes the provider would send, written whole (nothing
 /// kept to reuse), read back.
 pub fn request_body(request: &ChatRequest, stream: bool) -> Result<Value, ProviderError> {
-    serde_json::from_slice(&body_in(&WrittenPaths::default(), request, stream)?).map_err(http::not_encoded)
+    serde_json::from_slice(&body_in(&Kept::alone(), request, stream)?).map_err(http::not_encoded)
 }
 
 /// The body for `request`, reusing what `written` kept.
-fn body_in(written: &WrittenPaths, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
+fn body_in(written: &Kept, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
     written.body(
         &request.messages,
         request.messages.len(),
@@ -910,7 +909,8 @@ mod tests {
             messages: messages.to_vec(),
             ..ChatRequest::default()
         };
-        let keeping = provider();
+        // Its own list, which no other test pushes its paths out of.
+        let keeping = AnthropicProvider { written: Kept::alone(), ..provider() };
         let check = |messages: &[SharedMessage], label: &str| {
             let whole = provider().body(&request(messages), true).expect("body");
             let body = keeping.body(&request(messages), true).expect("body");

@@ -16,7 +16,6 @@
 //! [`error_from_response`] are public so that fixture tests and mock servers
 //! can drive each half on its own.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use arbor_core::json::Verbatim;
@@ -31,7 +30,7 @@ use serde_json::{Map, Value, json};
 use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpResponse, HttpTimeouts};
 use crate::sse::{BodyError, sse_events};
-use crate::written::{Elements, WrittenPaths};
+use crate::written::{Elements, Kept};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider};
 
 /// The provider kind, and the owner recorded on the thought signatures this
@@ -78,7 +77,7 @@ pub struct GeminiProvider {
     /// The contents of recent long requests as written, shared by the
     /// provider's clones, so that what a request shares with an earlier
     /// one is not written again.
-    written: Arc<WrittenPaths>,
+    written: Kept,
 }
 
 impl GeminiProvider {
@@ -86,7 +85,7 @@ impl GeminiProvider {
         let client = HttpClient::new(&config.timeouts)?;
         let key = config.api_key.as_deref().map(|key| (HeaderName::from_static("x-goog-api-key"), key));
         let headers = http::request_headers(HeaderMap::new(), key)?;
-        Ok(GeminiProvider { config, client, headers, written: Arc::default() })
+        Ok(GeminiProvider { config, client, headers, written: Kept::shared() })
     }
 
     fn url(&self, model: &str, method: &str) -> String {
@@ -248,12 +247,12 @@ struct FunctionResponse<'a> {
 /// bytes the provider would send, written whole (nothing kept to reuse),
 /// read back.
 pub fn request_body(request: &ChatRequest) -> Result<Value, ProviderError> {
-    serde_json::from_slice(&body_in(&WrittenPaths::default(), request)?).map_err(http::not_encoded)
+    serde_json::from_slice(&body_in(&Kept::alone(), request)?).map_err(http::not_encoded)
 }
 
 /// The body for `request`, reusing what `written` kept of the contents
 /// before the current turn.
-fn body_in(written: &WrittenPaths, request: &ChatRequest) -> Result<Vec<u8>, ProviderError> {
+fn body_in(written: &Kept, request: &ChatRequest) -> Result<Vec<u8>, ProviderError> {
     let path = &request.messages;
     let current = current_turn(path);
     let sign = validates_signatures(&request.model);
@@ -1413,7 +1412,9 @@ mod tests {
     /// shares with the request before, up to its current turn.
     #[test]
     fn a_long_conversations_bodies_are_written_as_if_whole_and_only_their_new_turns_are() {
-        let keeping = GeminiProvider::new(GeminiConfig::default()).expect("made");
+        // Its own list, which no other test pushes its paths out of.
+        let keeping =
+            GeminiProvider { written: Kept::alone(), ..GeminiProvider::new(GeminiConfig::default()).expect("made") };
         let loop_of = |label: String| -> Vec<Message> {
             let calls: Vec<ToolCall> = (0..2)
                 .map(|n| ToolCall {
@@ -1448,7 +1449,7 @@ mod tests {
             ..ChatRequest::default()
         };
         let check = |messages: &[SharedMessage], label: &str| -> usize {
-            let whole = body_in(&WrittenPaths::default(), &request(messages)).expect("body");
+            let whole = body_in(&Kept::alone(), &request(messages)).expect("body");
             let body = body_in(&keeping.written, &request(messages)).expect("body");
             assert_eq!(String::from_utf8(body).unwrap(), String::from_utf8(whole).unwrap(), "{label}");
             let value = request_body(&request(messages)).expect("body");

@@ -12,7 +12,6 @@
 //! its `plain` reader of the usual stream chunk.
 
 use std::fmt;
-use std::sync::Arc;
 
 use arbor_core::json::Verbatim;
 use arbor_core::message::ProviderOpaque;
@@ -27,7 +26,7 @@ use serde_json::Value;
 use crate::decode::{self, Decode, Decoded};
 use crate::http::{self, ErrorResponse, HttpClient, HttpRequest, HttpTimeouts};
 use crate::sse::{BodyError, SseEvent, sse_events};
-use crate::written::{Elements, WrittenPaths};
+use crate::written::{Elements, Kept};
 use crate::{ChatRequest, Chunk, ChunkStream, Collected, FinishReason, Provider, ToolSpec};
 
 mod plain;
@@ -114,7 +113,7 @@ pub struct OpenAiProvider {
     send_signatures: bool,
     /// The messages of recent long requests as written, shared by the
     /// clones: a conversation's next turn writes only what is new.
-    written: Arc<WrittenPaths>,
+    written: Kept,
 }
 
 impl fmt::Debug for OpenAiProvider {
@@ -170,7 +169,7 @@ impl OpenAiProvider {
             max_tokens_field: config.max_tokens_field,
             stream_usage: config.stream_usage,
             send_signatures: base_url.contains(".googleapis.com"),
-            written: Arc::default(),
+            written: Kept::shared(),
         })
     }
 
@@ -178,7 +177,7 @@ impl OpenAiProvider {
     /// send, written whole (nothing kept to reuse), read back.
     pub fn request_body(&self, request: &ChatRequest, stream: bool) -> Value {
         // Serializing plain structs of strings and numbers cannot fail.
-        let body = self.body_in(&WrittenPaths::default(), request, stream);
+        let body = self.body_in(&Kept::alone(), request, stream);
         body.ok().and_then(|body| serde_json::from_slice(&body).ok()).unwrap_or(Value::Null)
     }
 
@@ -210,7 +209,7 @@ impl OpenAiProvider {
     }
 
     /// The body for `request`, reusing what `written` kept.
-    fn body_in(&self, written: &WrittenPaths, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
+    fn body_in(&self, written: &Kept, request: &ChatRequest, stream: bool) -> Result<Vec<u8>, ProviderError> {
         written.body(
             &request.messages,
             request.messages.len(),
@@ -1279,7 +1278,8 @@ mod tests {
             messages: messages.to_vec(),
             ..ChatRequest::default()
         };
-        let keeping = provider("http://x/v1");
+        // Its own list, which no other test pushes its paths out of.
+        let keeping = OpenAiProvider { written: Kept::alone(), ..provider("http://x/v1") };
         let check = |messages: &[SharedMessage], label: &str| {
             let whole = provider("http://x/v1").body(&request(messages), true).expect("body");
             let body = keeping.body(&request(messages), true).expect("body");

@@ -15,9 +15,14 @@
 //! Only paths of [`LEAST_MESSAGES`] or more are kept (a short
 //! conversation's turns keep nothing), at most [`MOST_PATHS`] of them and
 //! [`BUDGET_BYTES`] of text in all, the least recently used dropped first.
-//! A kept path holds its messages, so their nodes stay in memory with it.
+//! The limits are the process's, whatever the number of providers: every
+//! provider keeps its paths in one list ([`Kept::shared`]), and takes back
+//! only its own, since two providers may write the same messages
+//! differently. A kept path holds its messages, so their nodes stay in
+//! memory with it.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use arbor_core::{ProviderError, SharedMessage};
 use serde::Serialize;
@@ -115,6 +120,8 @@ impl Elements {
 /// What was written for one path: its messages and their elements.
 #[derive(Debug)]
 pub(crate) struct Written {
+    /// The provider that wrote it ([`Kept`]).
+    owner: u64,
     /// The messages whose elements are in `elements`, held so that they
     /// are compared by where they are held ([`SharedMessage::same`]): the
     /// place of a message kept here cannot be taken by another.
@@ -126,11 +133,11 @@ impl Written {
     /// What nothing is written for yet but `head` (the array's elements
     /// before the path's); for a path that may be kept, where each message
     /// ends is recorded.
-    fn starting(head: Elements, path: &[SharedMessage]) -> Written {
+    fn starting(owner: u64, head: Elements, path: &[SharedMessage]) -> Written {
         let head_end = head.text.len();
         let recording = path.len() >= LEAST_MESSAGES;
         let ends = if recording { Vec::with_capacity(path.len()) } else { Vec::new() };
-        Written { messages: Vec::new(), elements: Elements { head: head_end, ends, recording, ..head } }
+        Written { owner, messages: Vec::new(), elements: Elements { head: head_end, ends, recording, ..head } }
     }
 
     /// How many of the messages kept here start `path` too, no more than
@@ -159,11 +166,58 @@ impl Written {
     }
 }
 
-/// Where in `paths` the kept path for `path` is: the one that starts with
-/// the same message, for a path long enough to be kept.
-fn kept_for(paths: &[Written], path: &[SharedMessage]) -> Option<usize> {
+/// Where in `paths` the kept path for `path` is: the one `owner` wrote
+/// that starts with the same message, for a path long enough to be kept.
+fn kept_for(paths: &[Written], owner: u64, path: &[SharedMessage]) -> Option<usize> {
     let first = path.first().filter(|_| path.len() >= LEAST_MESSAGES)?;
-    paths.iter().position(|kept| kept.messages.first().is_some_and(|kept| kept.same(first)))
+    paths.iter().position(|kept| kept.owner == owner && kept.messages.first().is_some_and(|kept| kept.same(first)))
+}
+
+/// One provider's paths, kept in a list ([`WrittenPaths`]) and taken back
+/// only by the provider that wrote them.
+#[derive(Debug, Clone)]
+pub(crate) struct Kept {
+    paths: Arc<WrittenPaths>,
+    owner: u64,
+}
+
+impl Kept {
+    /// A provider's paths in the process's one list: the limits hold for
+    /// all providers together.
+    pub(crate) fn shared() -> Kept {
+        static PATHS: LazyLock<Arc<WrittenPaths>> = LazyLock::new(Arc::default);
+        Kept { paths: PATHS.clone(), owner: next_owner() }
+    }
+
+    /// Paths kept apart from every provider's: a body written whole
+    /// (nothing was kept before it), or a test's own.
+    pub(crate) fn alone() -> Kept {
+        Kept { paths: Arc::default(), owner: next_owner() }
+    }
+
+    /// [`WrittenPaths::body`] for this provider.
+    pub(crate) fn body(
+        &self,
+        path: &[SharedMessage],
+        settled: usize,
+        head: Elements,
+        write_messages: impl FnOnce(&[SharedMessage], &mut Elements) -> Result<(), ProviderError>,
+        write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
+    ) -> Result<Vec<u8>, ProviderError> {
+        self.paths.body(self.owner, path, settled, head, write_messages, write_request)
+    }
+
+    /// How many messages of `path` this provider has written already.
+    #[cfg(test)]
+    pub(crate) fn reusable(&self, path: &[SharedMessage]) -> usize {
+        self.paths.reusable(self.owner, path)
+    }
+}
+
+/// A number no other provider has.
+fn next_owner() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// The paths kept, the most recently used last.
@@ -174,22 +228,22 @@ pub(crate) struct WrittenPaths {
 
 impl WrittenPaths {
     /// What is already written of `path` after `head` (an array holding
-    /// the elements that come before the path's): the kept path that
-    /// starts with the same message and the same head, cut back to the
+    /// the elements that come before the path's): the kept path `owner`
+    /// wrote that starts with the same message and the same head, cut back to the
     /// last message the two share, among the first `settled` of `path`, at
     /// a place its text can be cut; or `head` alone. Taken out until
     /// [`WrittenPaths::keep`] puts it back, so a path is never written by
     /// two at once.
-    fn take(&self, path: &[SharedMessage], settled: usize, head: Elements) -> Written {
+    fn take(&self, owner: u64, path: &[SharedMessage], settled: usize, head: Elements) -> Written {
         let mut written = {
             let mut paths = self.lock();
-            match kept_for(&paths, path) {
+            match kept_for(&paths, owner, path) {
                 Some(index) => paths.remove(index),
-                None => return Written::starting(head, path),
+                None => return Written::starting(owner, head, path),
             }
         };
         if written.elements.head() != head.text {
-            return Written::starting(head, path);
+            return Written::starting(owner, head, path);
         }
         let (messages, end) = written.reusable(path, settled);
         written.messages.truncate(messages);
@@ -202,9 +256,9 @@ impl WrittenPaths {
     ///
     /// [`take`]: WrittenPaths::take
     #[cfg(test)]
-    pub(crate) fn reusable(&self, path: &[SharedMessage]) -> usize {
+    pub(crate) fn reusable(&self, owner: u64, path: &[SharedMessage]) -> usize {
         let paths = self.lock();
-        kept_for(&paths, path).map_or(0, |index| paths[index].reusable(path, path.len()).0)
+        kept_for(&paths, owner, path).map_or(0, |index| paths[index].reusable(path, path.len()).0)
     }
 
     /// Keeps what was written for `path` (taken by [`WrittenPaths::take`]
@@ -240,13 +294,14 @@ impl WrittenPaths {
     /// turn starts).
     pub(crate) fn body(
         &self,
+        owner: u64,
         path: &[SharedMessage],
         settled: usize,
         head: Elements,
         write_messages: impl FnOnce(&[SharedMessage], &mut Elements) -> Result<(), ProviderError>,
         write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
     ) -> Result<Vec<u8>, ProviderError> {
-        let mut written = self.take(path, settled, head);
+        let mut written = self.take(owner, path, settled, head);
         write_messages(written.unwritten(path), written.elements())?;
         let body = written.elements().with_array(|messages| {
             // The messages are most of the body.
@@ -285,11 +340,16 @@ mod tests {
 
     /// The same, the array starting with `head`'s element.
     fn write_after(paths: &WrittenPaths, path: &[SharedMessage], head: Option<&str>) -> (String, usize) {
+        write_as(paths, 0, path, head)
+    }
+
+    /// The same, as the provider `owner`.
+    fn write_as(paths: &WrittenPaths, owner: u64, path: &[SharedMessage], head: Option<&str>) -> (String, usize) {
         let mut elements = Elements::default();
         if let Some(head) = head {
             elements.push(head).unwrap();
         }
-        let mut written = paths.take(path, path.len(), elements);
+        let mut written = paths.take(owner, path, path.len(), elements);
         let unwritten = written.unwritten(path);
         let elements = written.elements();
         let mut held = Vec::new();
@@ -384,6 +444,31 @@ mod tests {
         assert_eq!(written, 3, "the held two are written again, before the new one");
         assert!(text.ends_with(r#""m69","x","y","z"]"#), "{text}");
         assert_eq!(text, fresh(&path));
+    }
+
+    #[test]
+    fn providers_take_back_only_their_own_paths_and_share_the_limits() {
+        let paths = WrittenPaths::default();
+        let path = messages("m", 100);
+        assert_eq!(write_as(&paths, 1, &path, None).1, 100);
+        assert_eq!(
+            write_as(&paths, 2, &path, None),
+            (fresh(&path), 100),
+            "another provider writes the same nodes itself"
+        );
+        assert_eq!(write_as(&paths, 1, &path, None).1, 0, "each takes back its own");
+        assert_eq!(write_as(&paths, 2, &path, None).1, 0);
+        for _ in 0..MOST_PATHS - 1 {
+            write_as(&paths, 3, &messages("p", LEAST_MESSAGES), None);
+        }
+        assert_eq!(paths.kept().len(), MOST_PATHS, "one limit for all");
+        assert_eq!(write_as(&paths, 2, &path, None).1, 0, "the most recently used of the two stays");
+        assert_eq!(write_as(&paths, 1, &path, None).1, 100, "the other was pushed out by a third provider's");
+
+        let (one, other) = (Kept::shared(), Kept::shared());
+        assert!(Arc::ptr_eq(&one.paths, &other.paths), "every provider's paths are in the process's one list");
+        assert_ne!(one.owner, other.owner);
+        assert!(!Arc::ptr_eq(&Kept::alone().paths, &one.paths));
     }
 
     #[test]
