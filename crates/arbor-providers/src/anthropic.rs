@@ -895,13 +895,7 @@ mod tests {
             });
             let mut turn = vec![Message::user(format!("question {index}")), thinking];
             turn.extend(calls.iter().map(|call| Message::tool_result(call, ToolStatus::Success, "\"seen\"\n")));
-            turn.push(Message::assistant(format!("answer {index}")));
-            if index.is_multiple_of(4) {
-                // Nothing to send, and then a second user message in a row.
-                turn.push(Message::assistant(""));
-                turn.push(Message::user(format!("and also {index}")));
-                turn.push(Message::assistant(format!("more {index}")));
-            }
+            crate::written::tests::answer(index, &mut turn);
             turn
         };
         let request = |messages: &[SharedMessage]| ChatRequest {

@@ -1434,13 +1434,7 @@ mod tests {
         let exchange = |index: usize| -> Vec<Message> {
             let mut turn = vec![Message::user(format!("question {index}"))];
             turn.extend(loop_of(format!("c{index}")));
-            turn.push(Message::assistant(format!("answer {index}")));
-            if index.is_multiple_of(4) {
-                // Nothing to send, and then a second user message in a row.
-                turn.push(Message::assistant(""));
-                turn.push(Message::user(format!("and also {index}")));
-                turn.push(Message::assistant(format!("more {index}")));
-            }
+            crate::written::tests::answer(index, &mut turn);
             turn
         };
         let request = |messages: &[SharedMessage]| ChatRequest {

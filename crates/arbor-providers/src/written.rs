@@ -195,7 +195,15 @@ impl Kept {
         Kept { paths: Arc::default(), owner: next_owner() }
     }
 
-    /// [`WrittenPaths::body`] for this provider.
+    /// A request body whose messages are `path`: `head` and the messages
+    /// a kept path shares with it as they were written, the rest appended
+    /// by `write_messages`, the array closed and given to `write_request`,
+    /// which writes the request around it into a buffer of its size.
+    ///
+    /// Only the first `settled` messages of `path` may be taken as kept:
+    /// those whose text this request writes as any other would (an adapter
+    /// that writes the current turn's messages differently says where that
+    /// turn starts).
     pub(crate) fn body(
         &self,
         path: &[SharedMessage],
@@ -204,7 +212,16 @@ impl Kept {
         write_messages: impl FnOnce(&[SharedMessage], &mut Elements) -> Result<(), ProviderError>,
         write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
     ) -> Result<Vec<u8>, ProviderError> {
-        self.paths.body(self.owner, path, settled, head, write_messages, write_request)
+        let mut written = self.paths.take(self.owner, path, settled, head);
+        write_messages(written.unwritten(path), written.elements())?;
+        let body = written.elements().with_array(|messages| {
+            // The messages are most of the body.
+            let mut body = String::with_capacity(messages.len() + 512);
+            write_request(&mut body, messages).map_err(crate::http::not_encoded)?;
+            Ok::<_, ProviderError>(body.into_bytes())
+        })?;
+        self.paths.keep(written, path);
+        Ok(body)
     }
 
     /// How many messages of `path` this provider has written already.
@@ -283,36 +300,6 @@ impl WrittenPaths {
         paths.drain(..oldest);
     }
 
-    /// A request body whose messages are `path`: `head` and the messages
-    /// a kept path shares with it as they were written, the rest appended
-    /// by `write_messages`, the array closed and given to `write_request`,
-    /// which writes the request around it into a buffer of its size.
-    ///
-    /// Only the first `settled` messages of `path` may be taken as kept:
-    /// those whose text this request writes as any other would (an adapter
-    /// that writes the current turn's messages differently says where that
-    /// turn starts).
-    pub(crate) fn body(
-        &self,
-        owner: u64,
-        path: &[SharedMessage],
-        settled: usize,
-        head: Elements,
-        write_messages: impl FnOnce(&[SharedMessage], &mut Elements) -> Result<(), ProviderError>,
-        write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
-    ) -> Result<Vec<u8>, ProviderError> {
-        let mut written = self.take(owner, path, settled, head);
-        write_messages(written.unwritten(path), written.elements())?;
-        let body = written.elements().with_array(|messages| {
-            // The messages are most of the body.
-            let mut body = String::with_capacity(messages.len() + 512);
-            write_request(&mut body, messages).map_err(crate::http::not_encoded)?;
-            Ok::<_, ProviderError>(body.into_bytes())
-        })?;
-        self.keep(written, path);
-        Ok(body)
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Written>> {
         // The list holds no invariant a panic could break half-way.
         self.paths.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -325,7 +312,7 @@ impl WrittenPaths {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use arbor_core::Message;
 
     use super::*;
@@ -371,6 +358,19 @@ mod tests {
         let text = elements.with_array(str::to_string);
         paths.keep(written, path);
         (text, unwritten.len())
+    }
+
+    /// Ends the `index`th exchange of a test conversation with its answer,
+    /// and every fourth with messages that an adapter merging runs of one
+    /// side merges with their neighbours: an assistant message with
+    /// nothing to send, then a second user message in a row, and a reply.
+    pub(crate) fn answer(index: usize, turn: &mut Vec<Message>) {
+        turn.push(Message::assistant(format!("answer {index}")));
+        if index.is_multiple_of(4) {
+            turn.push(Message::assistant(""));
+            turn.push(Message::user(format!("and also {index}")));
+            turn.push(Message::assistant(format!("more {index}")));
+        }
     }
 
     fn fresh(path: &[SharedMessage]) -> String {
