@@ -9,7 +9,6 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use serde::Deserialize;
-use serde_json::json;
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
@@ -64,8 +63,13 @@ async fn list(
     let next_cursor = (conversations.len() == limit as usize)
         .then(|| conversations.last().map(|last| format!("{}.{}", last.created_at, last.id)))
         .flatten();
-    let items: Vec<_> = conversations.iter().map(views::conversation).collect();
-    Ok(Json(json!({ "conversations": items, "next_cursor": next_cursor })))
+    #[derive(serde::Serialize)]
+    struct Page<'a> {
+        conversations: Vec<views::ConversationView<'a>>,
+        next_cursor: Option<String>,
+    }
+    Ok(Json(Page { conversations: conversations.iter().map(views::conversation).collect(), next_cursor })
+        .into_response())
 }
 
 fn parse_cursor(text: &str) -> ApiResult<ConversationCursor> {
