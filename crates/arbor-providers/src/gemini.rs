@@ -1546,6 +1546,45 @@ mod tests {
         assert_eq!(retry_delay(&[]), None);
     }
 
+    /// A result without a name takes its call's: the nearest earlier call
+    /// with its id, in a long path written whole or only from where the
+    /// kept text ends; with no such call the request is refused, naming the
+    /// call, before anything is sent.
+    #[test]
+    fn a_result_without_a_name_takes_its_calls_or_is_refused() {
+        let keeping =
+            GeminiProvider { written: Kept::alone(), ..GeminiProvider::new(GeminiConfig::default()).expect("made") };
+        let call =
+            |name: &str| ToolCall { id: "same".into(), name: name.into(), arguments: json!({}), signature: None };
+        let unnamed = Message { tool_name: None, ..Message::tool_result(&call("x"), ToolStatus::Success, "ok") };
+        let asking = |name: &str| Message { tool_calls: vec![call(name)], content: None, ..Message::assistant("") };
+        let request = |messages: &[SharedMessage]| ChatRequest {
+            model: "gemini-2.5-flash".into(),
+            messages: messages.to_vec(),
+            ..ChatRequest::default()
+        };
+        let names = |messages: &[SharedMessage]| -> Vec<String> {
+            let body = body_in(&keeping.written, &request(messages)).expect("body");
+            assert_eq!(body, body_in(&Kept::alone(), &request(messages)).expect("body"), "as if written whole");
+            let value: Value = serde_json::from_slice(&body).expect("json");
+            let contents = value["contents"].as_array().expect("contents").iter();
+            let parts = contents.flat_map(|content| content["parts"].as_array().expect("parts").iter());
+            parts.filter_map(|part| part["functionResponse"]["name"].as_str().map(str::to_string)).collect()
+        };
+
+        let mut path = SharedMessage::all([Message::user("go"), asking("first"), unnamed.clone()]);
+        path.extend(SharedMessage::all((0..70).map(|index| Message::user(format!("filler {index}")))));
+        assert_eq!(names(&path), ["first"]);
+        path.extend(SharedMessage::all([asking("second"), unnamed.clone(), Message::user("again")]));
+        assert_eq!(names(&path), ["first", "second"], "each result its nearest call's name");
+        assert!(keeping.written.reusable(&path) > 70, "the start was not written again");
+
+        let orphan = SharedMessage::all([Message::user("go"), unnamed]);
+        let error = body_in(&Kept::alone(), &request(&orphan)).expect_err("refused");
+        assert_eq!(error.code, ErrorCode::InvalidRequest);
+        assert!(error.message.contains("call same names no tool"), "{}", error.message);
+    }
+
     #[test]
     fn model_names_may_carry_the_models_prefix() {
         let provider = GeminiProvider::new(GeminiConfig::default()).expect("client");
