@@ -5,12 +5,13 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 
 use arbor_core::Cost;
+use arbor_core::Event;
 use arbor_core::Node;
-use arbor_core::ids::{Rfc3339, rfc3339};
+use arbor_core::ids::Rfc3339;
+use arbor_core::json::Verbatim;
 use arbor_store::{ApiCall, Conversation, Turn};
 use foldhash::fast::RandomState;
 use serde::Serialize;
-use serde_json::{Value, json};
 
 /// A conversation as the API shows it. The views are typed and borrow the
 /// record, so a response is serialized straight to bytes (a tree of 10,000
@@ -191,32 +192,67 @@ pub fn turn(turn: &Turn) -> TurnView<'_> {
     }
 }
 
-pub fn api_call(call: &ApiCall) -> Value {
+/// A model call as the API shows it.
+#[derive(Serialize)]
+pub struct ApiCallView<'a> {
+    id: &'a str,
+    kind: &'a str,
+    provider: &'a str,
+    model: &'a str,
+    status: &'a str,
+    error_code: Option<&'a str>,
+    input_tokens: u64,
+    output_tokens: u64,
+    thinking_tokens: u64,
+    cached_tokens: u64,
+    latency_ms: u64,
+    ttft_ms: Option<u64>,
+    cost_credits: i64,
+    cost_cents_usd: f64,
+    created_at: Rfc3339,
+}
+
+pub fn api_call(call: &ApiCall) -> ApiCallView<'_> {
     let cost = Cost { micro_usd: call.cost_micro_usd };
-    json!({
-        "id": call.id,
-        "kind": call.kind,
-        "provider": call.provider,
-        "model": call.model,
-        "status": call.status,
-        "error_code": call.error_code,
-        "input_tokens": call.usage.input_tokens,
-        "output_tokens": call.usage.output_tokens,
-        "thinking_tokens": call.usage.thinking_tokens,
-        "cached_tokens": call.usage.cached_tokens,
-        "latency_ms": call.latency_ms,
-        "ttft_ms": call.ttft_ms,
-        "cost_credits": cost.credits(),
-        "cost_cents_usd": cost.cents_usd(),
-        "created_at": rfc3339(call.created_at),
-    })
+    ApiCallView {
+        id: &call.id,
+        kind: &call.kind,
+        provider: &call.provider,
+        model: &call.model,
+        status: &call.status,
+        error_code: call.error_code.as_deref(),
+        input_tokens: call.usage.input_tokens,
+        output_tokens: call.usage.output_tokens,
+        thinking_tokens: call.usage.thinking_tokens,
+        cached_tokens: call.usage.cached_tokens,
+        latency_ms: call.latency_ms,
+        ttft_ms: call.ttft_ms,
+        cost_credits: cost.credits(),
+        cost_cents_usd: cost.cents_usd(),
+        created_at: Rfc3339(call.created_at),
+    }
+}
+
+/// One of a turn's stored events as its trace shows it: the number a
+/// client saw it under, its name and its data, copied as stored (data that
+/// is not JSON, which Arbor never stores, shows as `null`).
+#[derive(Serialize)]
+pub struct TraceEventView<'a> {
+    id: i64,
+    event: &'a str,
+    data: Option<Verbatim<'a>>,
+}
+
+pub fn trace_event(event: &Event) -> TraceEventView<'_> {
+    let json = serde_json::from_str::<serde::de::IgnoredAny>(&event.data).is_ok();
+    TraceEventView { id: event.seq, event: event.name.as_str(), data: json.then_some(Verbatim(&event.data)) }
 }
 
 #[cfg(test)]
 mod tests {
     use arbor_core::message::{NodeStatus, ProviderOpaque};
     use arbor_core::{Message, Part, Role, ToolCall, ToolStatus};
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::*;
 

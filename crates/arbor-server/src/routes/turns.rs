@@ -263,16 +263,19 @@ async fn read_turn(
     Path((id, turn)): Path<(String, String)>,
 ) -> ApiResult<impl IntoResponse> {
     let details = state.engine.turn_details(&user, &id, &turn).await?;
-    let mut body = json!(views::turn(&details.turn));
-    body["api_calls"] = json!(details.api_calls.iter().map(views::api_call).collect::<Vec<_>>());
-    body["trace"] = json!(
-        details
-            .events
-            .iter()
-            .map(|event| json!({"id": event.seq, "event": event.name.as_str(), "data": event.data_json()}))
-            .collect::<Vec<_>>()
-    );
-    Ok(Json(body))
+    #[derive(serde::Serialize)]
+    struct Details<'a> {
+        #[serde(flatten)]
+        turn: views::TurnView<'a>,
+        api_calls: Vec<views::ApiCallView<'a>>,
+        trace: Vec<views::TraceEventView<'a>>,
+    }
+    let body = Details {
+        turn: views::turn(&details.turn),
+        api_calls: details.api_calls.iter().map(views::api_call).collect(),
+        trace: details.events.iter().map(views::trace_event).collect(),
+    };
+    Ok(Json(body).into_response())
 }
 
 async fn cancel_turn(

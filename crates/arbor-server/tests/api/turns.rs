@@ -76,6 +76,10 @@ async fn a_streamed_turn_sends_the_protocol_in_order_and_stores_everything() {
     let trace: Vec<&str> =
         turn.body["trace"].as_array().expect("trace").iter().map(|e| e["event"].as_str().unwrap_or("")).collect();
     assert_eq!(trace, names, "the turn's trace is every event the client saw");
+    let shown = turn.body["trace"].as_array().expect("trace").iter();
+    for (event, seen) in shown.zip(&events) {
+        assert_eq!((&event["id"], &event["data"]), (&json!(seen.id), &seen.data), "as the client saw it");
+    }
 
     // The ledger charged exactly that.
     let user = app.user(&key).await;
