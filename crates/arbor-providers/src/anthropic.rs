@@ -878,7 +878,6 @@ mod tests {
     /// from the last turn it shares with the request before.
     #[test]
     fn a_long_conversations_bodies_are_written_as_if_whole_and_only_their_new_turns_are() {
-        let provider = || AnthropicProvider::new(AnthropicConfig::default()).expect("made");
         let exchange = |index: usize| -> Vec<Message> {
             let calls: Vec<ToolCall> = (0..2)
                 .map(|n| ToolCall {
@@ -904,9 +903,12 @@ mod tests {
             ..ChatRequest::default()
         };
         // Its own list, which no other test pushes its paths out of.
-        let keeping = AnthropicProvider { written: Kept::alone(), ..provider() };
+        let keeping = AnthropicProvider {
+            written: Kept::alone(),
+            ..AnthropicProvider::new(AnthropicConfig::default()).expect("made")
+        };
         let check = |messages: &[SharedMessage], label: &str| {
-            let whole = provider().body(&request(messages), true).expect("body");
+            let whole = body_in(&Kept::alone(), &request(messages), true).expect("body");
             let body = keeping.body(&request(messages), true).expect("body");
             assert_eq!(String::from_utf8(body).unwrap(), String::from_utf8(whole).unwrap(), "{label}");
             let value = request_body(&request(messages), true).expect("body");
@@ -929,20 +931,10 @@ mod tests {
         check(&replaced, "a message of the same side where a turn started");
         check(&trunk, "and back");
 
-        let fork = trunk.iter().position(|message| message.content.as_deref() == Some("question 11")).expect("there");
-        let mut branch = trunk[..fork + 2].to_vec();
-        branch.push(SharedMessage::from(Message::user("another way")));
-        check(&branch, "another branch");
-        let reused = keeping.written.reusable(&trunk);
-        assert!((fork - 8..=fork + 1).contains(&reused), "up to the last turn before the fork: {reused}");
-        check(&trunk, "back to the trunk");
-
-        let mut edited = trunk.clone();
-        edited[40].to_mut().content = Some("edited".into());
-        check(&edited, "an edited message");
-        let mut merged = trunk.clone();
-        merged.push(SharedMessage::from(Message::user("a second question in a row")));
-        check(&merged, "a message that joins the last turn");
+        crate::written::tests::check_variations(&trunk, check, |fork| {
+            let reused = keeping.written.reusable(&trunk);
+            assert!((fork - 8..=fork + 1).contains(&reused), "up to the last turn before the fork: {reused}");
+        });
         let mut empty = trunk.clone();
         empty.extend(SharedMessage::all([Message::assistant(""), Message::user("after nothing")]));
         check(&empty, "an assistant message that writes nothing, then one that joins the last turn");

@@ -1476,17 +1476,13 @@ mod tests {
         twice.extend(SharedMessage::all(loop_of("again".into())));
         assert_eq!(check(&twice, "a second step"), 2);
 
-        let fork = trunk.iter().position(|message| message.content.as_deref() == Some("question 11")).expect("there");
-        let mut branch = trunk[..fork + 2].to_vec();
-        branch.push(SharedMessage::from(Message::user("another way")));
-        check(&branch, "another branch");
-        check(&trunk, "back to the trunk");
-        let mut edited = trunk.clone();
-        edited[40].to_mut().content = Some("edited".into());
-        check(&edited, "an edited message");
-        let mut merged = trunk.clone();
-        merged.push(SharedMessage::from(Message::user("a second question in a row")));
-        check(&merged, "a message that joins the last content");
+        crate::written::tests::check_variations(
+            &trunk,
+            |path, label| {
+                check(path, label);
+            },
+            |_| (),
+        );
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! ([`arbor_core::Message`]) into one provider's wire format and the
 //! provider's replies back into normalised [`Chunk`]s, so that nothing else in
 //! Arbor ever sees a provider's format. Adapters do not keep conversation
-//! state, price calls or retry: that is the engine's work. (The OpenAI and
-//! Anthropic adapters keep the text they wrote for long paths, to write
-//! only what is new on the next turn: a cache, see `written`.)
+//! state, price calls or retry: that is the engine's work. (The adapters
+//! keep the text they wrote for long paths, to write only what is new on
+//! the next turn: a cache, see `written`.)
 #![forbid(unsafe_code)]
 
 pub mod anthropic;

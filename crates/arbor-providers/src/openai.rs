@@ -360,14 +360,13 @@ fn wire_tool(tool: &ToolSpec) -> WireTool<'_> {
 fn system_head(system: Option<&str>) -> Result<Elements, ProviderError> {
     let mut head = Elements::default();
     if let Some(system) = system.filter(|text| !text.is_empty()) {
-        head.push(&WireMessage {
-            role: "system",
-            content: Some(WireContent::Text(system)),
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-        })?;
+        head.push(&system_message(system))?;
     }
     Ok(head)
+}
+
+fn system_message(text: &str) -> WireMessage<'_> {
+    WireMessage { role: "system", content: Some(WireContent::Text(text)), tool_calls: Vec::new(), tool_call_id: None }
 }
 
 /// Appends `messages` in OpenAI's form to `elements`, each message's
@@ -389,12 +388,7 @@ fn wire_messages(
         match message.role {
             Role::System => {
                 if let Some(text) = message.content.as_deref() {
-                    elements.push(&WireMessage {
-                        role: "system",
-                        content: Some(WireContent::Text(text)),
-                        tool_calls: Vec::new(),
-                        tool_call_id: None,
-                    })?;
+                    elements.push(&system_message(text))?;
                 }
             }
             Role::User => elements.push(&WireMessage {
@@ -1281,7 +1275,7 @@ mod tests {
         // Its own list, which no other test pushes its paths out of.
         let keeping = OpenAiProvider { written: Kept::alone(), ..provider("http://x/v1") };
         let check = |messages: &[SharedMessage], label: &str| {
-            let whole = provider("http://x/v1").body(&request(messages), true).expect("body");
+            let whole = keeping.body_in(&Kept::alone(), &request(messages), true).expect("body");
             let body = keeping.body(&request(messages), true).expect("body");
             assert_eq!(String::from_utf8(body).unwrap(), String::from_utf8(whole).unwrap(), "{label}");
         };

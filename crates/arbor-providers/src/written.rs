@@ -91,7 +91,8 @@ impl Elements {
     /// something new: the previous message's end is a cut.
     pub(crate) fn cut_before(&mut self) {
         let end = self.text.len();
-        if let Some(last) = self.ends.last_mut().filter(|_| self.recording) {
+        // Nothing is recorded for a path that is not kept.
+        if let Some(last) = self.ends.last_mut() {
             *last = Some(end);
         }
     }
@@ -159,11 +160,6 @@ impl Written {
     fn unwritten<'a>(&self, path: &'a [SharedMessage]) -> &'a [SharedMessage] {
         &path[self.messages.len()..]
     }
-
-    /// The array written so far, to append the rest to.
-    fn elements(&mut self) -> &mut Elements {
-        &mut self.elements
-    }
 }
 
 /// Where in `paths` the kept path for `path` is: the one `owner` wrote
@@ -213,8 +209,8 @@ impl Kept {
         write_request: impl FnOnce(&mut String, &str) -> Result<(), serde_json::Error>,
     ) -> Result<Vec<u8>, ProviderError> {
         let mut written = self.paths.take(self.owner, path, settled, head);
-        write_messages(written.unwritten(path), written.elements())?;
-        let body = written.elements().with_array(|messages| {
+        write_messages(written.unwritten(path), &mut written.elements)?;
+        let body = written.elements.with_array(|messages| {
             // The messages are most of the body.
             let mut body = String::with_capacity(messages.len() + 512);
             write_request(&mut body, messages).map_err(crate::http::not_encoded)?;
@@ -338,7 +334,7 @@ pub(crate) mod tests {
         }
         let mut written = paths.take(owner, path, path.len(), elements);
         let unwritten = written.unwritten(path);
-        let elements = written.elements();
+        let elements = &mut written.elements;
         let mut held = Vec::new();
         for message in unwritten {
             let text = message.content.clone().unwrap_or_default();
@@ -371,6 +367,30 @@ pub(crate) mod tests {
             turn.push(Message::user(format!("and also {index}")));
             turn.push(Message::assistant(format!("more {index}")));
         }
+    }
+
+    /// Checks paths made from a long conversation's `trunk`, as an
+    /// adapter's test does: another branch after the exchange of
+    /// "question 11" (then `after_branch`, given where that exchange
+    /// starts), the trunk again, an edited message, and a second user
+    /// message in a row at the end.
+    pub(crate) fn check_variations(
+        trunk: &[SharedMessage],
+        check: impl Fn(&[SharedMessage], &str),
+        after_branch: impl FnOnce(usize),
+    ) {
+        let fork = trunk.iter().position(|message| message.content.as_deref() == Some("question 11")).expect("there");
+        let mut branch = trunk[..fork + 2].to_vec();
+        branch.push(SharedMessage::from(Message::user("another way")));
+        check(&branch, "another branch");
+        after_branch(fork);
+        check(trunk, "back to the trunk");
+        let mut edited = trunk.to_vec();
+        edited[40].to_mut().content = Some("edited".into());
+        check(&edited, "an edited message");
+        let mut merged = trunk.to_vec();
+        merged.push(SharedMessage::from(Message::user("a second question in a row")));
+        check(&merged, "a message that joins the last turn");
     }
 
     fn fresh(path: &[SharedMessage]) -> String {
