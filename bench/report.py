@@ -661,7 +661,7 @@ if trees:
       "sends), and run one JSON turn at that leaf (0 ms mock), then the next turn on the same branch "
       "(its path the last one's, the reply and the new message).")
     w("")
-    w("| backend | record trunk | record a branch p50 | move head p50 / p99 | load tree p50 / p99 (size) "
+    w("| backend | record trunk | record a branch p50 | move head p50 / p99 | load tree p50 / p99 (size; its head p50) "
       "| load path p50 / p99 (last path's length) | turn at leaf p50 / p99 | its header overhead p50 / p99 "
       "(without the durable writes) | next turn's header overhead p50 / p99 (without the durable writes) |")
     w("|---|---|---|---|---|---|---|---|---|")
@@ -669,7 +669,8 @@ if trees:
         s = lambda name, q: (tree.get(name) or {}).get(q)  # noqa: E731
         w(f"| {tree.get('backend', '?')} | {tree['record_trunk_ms']:.0f} ms | {us(s('record_branch_us', 'p50'))} "
           f"| {pair(s('switch_branch_us', 'p50'), s('switch_branch_us', 'p99'))} "
-          f"| {pair(s('load_tree_us', 'p50'), s('load_tree_us', 'p99'))} ({tree['load_tree_bytes'] / 1e6:.1f} MB) "
+          f"| {pair(s('load_tree_us', 'p50'), s('load_tree_us', 'p99'))} ({tree['load_tree_bytes'] / 1e6:.1f} MB"
+          f"{'; ' + us(s('load_tree_head_us', 'p50')) if s('load_tree_head_us', 'p50') is not None else ''}) "
           f"| {pair(s('load_path_us', 'p50'), s('load_path_us', 'p99'))} ({tree['path_length']}) "
           f"| {pair(s('turn_us', 'p50'), s('turn_us', 'p99'))} "
           f"| {pair(s('turn_overhead_us', 'p50'), s('turn_overhead_us', 'p99'))} "

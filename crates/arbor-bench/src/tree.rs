@@ -55,6 +55,10 @@ struct TreeReport {
     record_branch_us: Option<Summary>,
     /// `GET /v1/conversations/{id}`: the whole tree.
     load_tree_us: Option<Summary>,
+    /// The same reads, until the response's head arrived: a tree longer
+    /// than a part is sent as it is written, and its head comes with the
+    /// first parts.
+    load_tree_head_us: Option<Summary>,
     load_tree_bytes: usize,
     /// `GET /v1/conversations/{id}?path=1`: the active path.
     load_path_us: Option<Summary>,
@@ -131,6 +135,7 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
 
     let conversation_url = format!("{base}/v1/conversations/{conversation}");
     let mut load_tree = Micros::default();
+    let mut load_tree_head = Micros::default();
     let mut load_tree_bytes = 0;
     let mut load_path = Micros::default();
     let mut path_length = 0;
@@ -156,8 +161,9 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
         switch_branch.record(started.elapsed());
 
         let started = Instant::now();
-        let body = get(&client, &conversation_url, &args.key).await?;
+        let (head, body) = get(&client, &conversation_url, &args.key).await?;
         load_tree.record(started.elapsed());
+        load_tree_head.record(head);
         load_tree_bytes = body.len();
         if repeat == 0 {
             let tree: Value = serde_json::from_slice(&body)?;
@@ -166,7 +172,7 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
         }
 
         let started = Instant::now();
-        let body = get(&client, &format!("{conversation_url}?path=1"), &args.key).await?;
+        let (_, body) = get(&client, &format!("{conversation_url}?path=1"), &args.key).await?;
         load_path.record(started.elapsed());
         let path: Value = serde_json::from_slice(&body)?;
         path_length = path["messages"].as_array().map_or(0, Vec::len);
@@ -216,6 +222,7 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
         record_trunk_ms,
         record_branch_us: record_branch.summary(),
         load_tree_us: load_tree.summary(),
+        load_tree_head_us: load_tree_head.summary(),
         load_tree_bytes,
         load_path_us: load_path.summary(),
         path_length,
@@ -237,9 +244,12 @@ pub async fn run(args: TreeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn get(client: &reqwest::Client, url: &str, key: &str) -> anyhow::Result<bytes::Bytes> {
+/// GETs `url`: the time until the response's head arrived, and its body.
+async fn get(client: &reqwest::Client, url: &str, key: &str) -> anyhow::Result<(Duration, bytes::Bytes)> {
+    let started = Instant::now();
     let response = client.get(url).bearer_auth(key).timeout(Duration::from_secs(60)).send().await?;
+    let head = started.elapsed();
     let status = response.status();
     ensure!(status.is_success(), "GET {url} answered {status}");
-    Ok(response.bytes().await?)
+    Ok((head, response.bytes().await?))
 }

@@ -1,8 +1,11 @@
 //! Extractors: the caller's identity from the bearer key, and JSON / query
 //! bodies whose rejections become [`ApiError`]s with the problem named.
 
+use std::borrow::Borrow;
+
+use arbor_core::Node;
 use arbor_store::User;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
@@ -13,6 +16,7 @@ use serde::de::DeserializeOwned;
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::views::NodeViews;
 
 /// The authenticated caller.
 pub struct Caller(pub User);
@@ -107,18 +111,115 @@ impl<T: Serialize> IntoResponse for Json<T> {
     }
 }
 
-/// A JSON response whose size is known roughly beforehand (a tree of
-/// thousands of messages, [`crate::views::NodeViews::bytes`]): written into
-/// a buffer of about that size.
-pub struct LargeJson<T> {
-    pub body: T,
-    pub bytes: usize,
+/// A JSON object whose last field is a list of nodes, which can be long (a
+/// conversation's tree of thousands of messages, 3 MB of JSON for 10,000).
+/// A list longer than [`PART_BYTES`] is sent as it is written, a part of
+/// about that size at a time (chunked): the client reads the first nodes
+/// while the next are written, and a read holds one part in memory rather
+/// than the whole text. A shorter one is written whole, with its length.
+pub struct NodesJson<F, N> {
+    /// The object's other fields: something that serializes as an object.
+    pub fields: F,
+    /// The list's key.
+    pub key: &'static str,
+    pub nodes: NodeViews<N>,
 }
 
-impl<T: Serialize> IntoResponse for LargeJson<T> {
+/// About how much of a long list's JSON is written before it is sent.
+pub const PART_BYTES: usize = 64 * 1024;
+
+impl<F: Serialize, N: Borrow<Node> + Send + 'static> IntoResponse for NodesJson<F, N> {
     fn into_response(self) -> Response {
-        json_response(&self.body, self.bytes)
+        let estimate = self.nodes.bytes();
+        let whole = estimate <= PART_BYTES;
+        // The whole text, or a part (and the head) in one buffer.
+        let mut head = String::with_capacity(estimate.min(PART_BYTES + PART_BYTES / 8) + 1024);
+        let opened = arbor_core::json::write(&mut head, &self.fields).and_then(|()| {
+            // `{…}` becomes `{…,"key":[`.
+            if head.pop() != Some('}') {
+                return Err(serde::ser::Error::custom("the fields are not an object"));
+            }
+            if head.len() > 1 {
+                head.push(',');
+            }
+            arbor_core::json::write(&mut head, self.key)?;
+            head.push_str(":[");
+            Ok(())
+        });
+        if let Err(error) = opened {
+            return server_error(&error);
+        }
+        let mut parts = NodeParts {
+            pending: head,
+            nodes: self.nodes,
+            next: 0,
+            ended: false,
+            limit: if whole { usize::MAX } else { PART_BYTES },
+        };
+        let json = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
+        if whole {
+            return match parts.next() {
+                Some(Ok(body)) => (json, body).into_response(),
+                Some(Err(error)) => server_error(&error),
+                None => server_error(&"the list was not written"),
+            };
+        }
+        (json, Body::from_stream(futures_util::stream::iter(parts))).into_response()
     }
+}
+
+/// A [`NodesJson`]'s text, a part at a time: the object's head first, then
+/// nodes until the part holds `limit` bytes, and after the last node the
+/// object's end. A node that cannot be written (no node's fields can fail)
+/// ends the body with an error: hyper then drops the connection, and the
+/// client sees a broken response rather than a short list.
+struct NodeParts<N> {
+    /// Written and not yet handed on: the head, before the first part.
+    pending: String,
+    nodes: NodeViews<N>,
+    /// The next node to write.
+    next: usize,
+    ended: bool,
+    limit: usize,
+}
+
+impl<N: Borrow<Node>> Iterator for NodeParts<N> {
+    type Item = Result<Bytes, arbor_core::json::Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.ended {
+            return None;
+        }
+        let mut part = match std::mem::take(&mut self.pending) {
+            text if text.capacity() > 0 => text,
+            _ => String::with_capacity(PART_BYTES + PART_BYTES / 8),
+        };
+        while part.len() < self.limit && self.next < self.nodes.len() {
+            if self.next > 0 {
+                part.push(',');
+            }
+            if let Err(error) = arbor_core::json::write(&mut part, &self.nodes.view(self.next)) {
+                self.ended = true;
+                return Some(Err(error));
+            }
+            self.next += 1;
+        }
+        if self.next == self.nodes.len() {
+            part.push_str("]}");
+            self.ended = true;
+        }
+        Some(Ok(Bytes::from(part)))
+    }
+}
+
+/// A plain-text 500 for a response that could not be written.
+fn server_error(error: &dyn std::fmt::Display) -> Response {
+    (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        [(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"))],
+        error.to_string(),
+    )
+        .into_response()
 }
 
 /// `body` as a JSON response, written into a buffer of `capacity` bytes to
@@ -126,12 +227,7 @@ impl<T: Serialize> IntoResponse for LargeJson<T> {
 fn json_response<T: Serialize>(body: &T, capacity: usize) -> Response {
     match arbor_core::json::to_vec_with_capacity(body, capacity) {
         Ok(body) => ([(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response(),
-        Err(error) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"))],
-            error.to_string(),
-        )
-            .into_response(),
+        Err(error) => server_error(&error),
     }
 }
 
@@ -144,5 +240,100 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Query<T> {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Query<T>, ApiError> {
         let axum::extract::Query(value) = axum::extract::Query::<T>::from_request_parts(parts, state).await?;
         Ok(Query(value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arbor_core::Message;
+    use axum::body::HttpBody;
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::views;
+
+    /// A path of `count` messages of about 200 bytes each, and a branch
+    /// off its second node (so some node has two children).
+    fn conversation(count: usize) -> Vec<Node> {
+        let mut list: Vec<Node> = Vec::new();
+        for index in 0..count {
+            let parent = list.last().map(|node: &Node| node.id.clone());
+            let text = format!("message {index} \"quoted\" {}", "word ".repeat(38));
+            list.push(Node::new(format!("m{index}"), "c1", parent, Message::user(text), 1_764_000_000_000));
+        }
+        if count > 1 {
+            list.push(Node::new("branch", "c1", Some("m1".into()), Message::user("edited"), 1_764_000_000_001));
+        }
+        list
+    }
+
+    #[derive(Serialize)]
+    struct Fields {
+        head_id: &'static str,
+        head_version: i64,
+    }
+
+    /// What the response must read as: the fields and the views as one
+    /// object, written by serde_json.
+    fn expected(list: &[Node]) -> Value {
+        let mut value = json!({"head_id": "m1", "head_version": 7});
+        value["messages"] = serde_json::to_value(views::nodes(list.to_vec())).expect("views serialize");
+        value
+    }
+
+    async fn respond(list: &[Node]) -> (Option<usize>, Value) {
+        let fields = Fields { head_id: "m1", head_version: 7 };
+        let response = NodesJson { fields, key: "messages", nodes: views::nodes(list.to_vec()) }.into_response();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()[CONTENT_TYPE], "application/json");
+        // The length hyper sends as `content-length`, when the body knows it.
+        let length = HttpBody::size_hint(response.body()).exact().map(|length| length as usize);
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.expect("the body is read");
+        if let Some(length) = length {
+            assert_eq!(body.len(), length);
+        }
+        (length, serde_json::from_slice(&body).expect("the body is JSON"))
+    }
+
+    #[tokio::test]
+    async fn a_short_list_is_sent_whole_with_its_length() {
+        for count in [0, 1, 2, 100] {
+            let list = conversation(count);
+            let (length, body) = respond(&list).await;
+            assert!(length.is_some(), "{count} nodes: sent whole");
+            assert_eq!(body, expected(&list), "{count} nodes");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_long_list_is_sent_in_parts_that_read_as_the_whole() {
+        let list = conversation(2_000);
+        let (length, body) = respond(&list).await;
+        assert_eq!(length, None, "sent as it is written, without a length");
+        assert_eq!(body, expected(&list));
+
+        // About a part's size each, the last one shorter.
+        let mut parts = NodeParts {
+            pending: String::from("{\"messages\":["),
+            nodes: views::nodes(list.clone()),
+            next: 0,
+            ended: false,
+            limit: PART_BYTES,
+        };
+        let sizes: Vec<usize> = parts.by_ref().map(|part| part.expect("written").len()).collect();
+        assert!(sizes.len() > 5, "{sizes:?}");
+        let node_bytes = 400;
+        for &size in &sizes[..sizes.len() - 1] {
+            assert!((PART_BYTES..PART_BYTES + node_bytes).contains(&size), "{sizes:?}");
+        }
+        assert!(sizes.last().is_some_and(|&last| last < PART_BYTES + node_bytes));
+        assert!(parts.next().is_none(), "nothing after the end");
+    }
+
+    #[tokio::test]
+    async fn fields_that_are_not_an_object_are_a_server_error() {
+        let response =
+            NodesJson { fields: [1, 2], key: "messages", nodes: views::nodes(conversation(3)) }.into_response();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
     }
 }

@@ -48,30 +48,76 @@ pub fn conversation(conversation: &Conversation) -> ConversationView<'_> {
 pub struct NodeView<'a> {
     #[serde(flatten)]
     node: &'a Node,
-    children: &'a [&'a str],
+    children: Children<'a>,
 }
 
-/// Tree nodes with their children's ids, in creation order: shown as a
-/// list of [`NodeView`]s.
-pub struct NodeViews<'a> {
-    nodes: Vec<&'a Node>,
-    /// Every node's children's ids, grouped by parent in the nodes' order.
-    children: Vec<&'a str>,
+/// A node's children's ids, by their places in a list of nodes.
+struct Children<'a> {
+    list: &'a dyn Ids,
+    places: &'a [usize],
+}
+
+impl Serialize for Children<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.places.iter().map(|&place| self.list.id(place)))
+    }
+}
+
+/// A list of nodes' ids by place.
+trait Ids {
+    fn id(&self, place: usize) -> &str;
+}
+
+impl<N: Borrow<Node>> Ids for Vec<N> {
+    fn id(&self, place: usize) -> &str {
+        &self[place].borrow().id
+    }
+}
+
+/// Tree nodes with their children's ids, in the order given: shown as a
+/// list of [`NodeView`]s. It owns its nodes (shared ones are `Arc`s) so
+/// that a long list can be written a part at a time as the response body
+/// is sent ([`crate::extract::NodesJson`]).
+pub struct NodeViews<N> {
+    nodes: Vec<N>,
+    /// Every node's children's places, grouped by parent in the nodes'
+    /// order.
+    children: Vec<usize>,
     /// Where each node's children start in `children`, and, last, where
     /// the last node's end.
     starts: Vec<usize>,
 }
 
-impl NodeViews<'_> {
+impl<N: Borrow<Node>> NodeViews<N> {
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// The node at `place` with its children.
+    pub fn view(&self, place: usize) -> NodeView<'_> {
+        NodeView {
+            node: self.nodes[place].borrow(),
+            children: Children {
+                list: &self.nodes,
+                places: &self.children[self.starts[place]..self.starts[place + 1]],
+            },
+        }
+    }
+
     /// About how many bytes of JSON the views are: their text and ids, and
     /// what a node's other fields take (a little more than a plain
     /// message's). A node's parts and tool calls are not counted.
     pub fn bytes(&self) -> usize {
-        let node = |node: &&Node| {
+        let node = |node: &N| {
+            let node = node.borrow();
             let content = node.message.content.as_ref().map_or(0, String::len);
             NODE_FIELDS_BYTES + content + node.id.len() + node.conversation_id.len()
         };
-        let children: usize = self.children.iter().map(|id| id.len() + 3).sum();
+        let children: usize = self.children.iter().map(|&place| self.nodes.id(place).len() + 3).sum();
         self.nodes.iter().map(node).sum::<usize>() + children + 2
     }
 }
@@ -81,12 +127,9 @@ impl NodeViews<'_> {
 /// model, provider and turn id (a user's message and its reply).
 const NODE_FIELDS_BYTES: usize = 300;
 
-impl Serialize for NodeViews<'_> {
+impl<N: Borrow<Node>> Serialize for NodeViews<N> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_seq(self.nodes.iter().enumerate().map(|(index, node)| NodeView {
-            node,
-            children: &self.children[self.starts[index]..self.starts[index + 1]],
-        }))
+        serializer.collect_seq((0..self.nodes.len()).map(|place| self.view(place)))
     }
 }
 
@@ -100,25 +143,26 @@ impl Serialize for NodeViews<'_> {
 /// then grouped in one list by counting them first. A long conversation's
 /// tree is thousands of nodes, and a map of each parent's own growing list
 /// (SipHash before that) was ~8% of reading one (bench/analysis.md).
-pub fn nodes<N: Borrow<Node>>(nodes: &[N]) -> NodeViews<'_> {
-    let nodes: Vec<&Node> = nodes.iter().map(N::borrow).collect();
-    let mut places: Option<HashMap<&str, usize, RandomState>> = None;
-    let parents: Vec<Option<usize>> = nodes
-        .iter()
-        .enumerate()
-        .map(|(place, node)| {
-            let parent = node.parent_id.as_deref()?;
-            if place > 0 && nodes[place - 1].id == parent {
-                return Some(place - 1);
-            }
-            let places = places.get_or_insert_with(|| {
-                let mut places = HashMap::with_capacity_and_hasher(nodes.len(), RandomState::default());
-                places.extend(nodes.iter().enumerate().map(|(place, node)| (node.id.as_str(), place)));
-                places
-            });
-            places.get(parent).copied()
-        })
-        .collect();
+pub fn nodes<N: Borrow<Node>>(nodes: Vec<N>) -> NodeViews<N> {
+    let parents: Vec<Option<usize>> = {
+        let mut places: Option<HashMap<&str, usize, RandomState>> = None;
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(place, node)| {
+                let parent = node.borrow().parent_id.as_deref()?;
+                if place > 0 && nodes[place - 1].borrow().id == parent {
+                    return Some(place - 1);
+                }
+                let places = places.get_or_insert_with(|| {
+                    let mut places = HashMap::with_capacity_and_hasher(nodes.len(), RandomState::default());
+                    places.extend(nodes.iter().enumerate().map(|(place, node)| (node.borrow().id.as_str(), place)));
+                    places
+                });
+                places.get(parent).copied()
+            })
+            .collect()
+    };
     // Each parent's count at the place after its own, then summed: where
     // each one's children start.
     let mut starts = vec![0; nodes.len() + 1];
@@ -129,19 +173,22 @@ pub fn nodes<N: Borrow<Node>>(nodes: &[N]) -> NodeViews<'_> {
         starts[place] += starts[place - 1];
     }
     let mut next = starts.clone();
-    let mut children = vec![""; starts[nodes.len()]];
-    for (node, parent) in nodes.iter().zip(&parents) {
+    let mut children = vec![0; starts[nodes.len()]];
+    for (place, parent) in parents.iter().enumerate() {
         if let Some(parent) = *parent {
-            children[next[parent]] = &node.id;
+            children[next[parent]] = place;
             next[parent] += 1;
         }
     }
     NodeViews { nodes, children, starts }
 }
 
+/// No nodes: the list a [`leaf`]'s children are places in.
+static NO_NODES: Vec<Node> = Vec::new();
+
 /// A node nothing hangs under yet (a reply just written).
 pub fn leaf(node: &Node) -> NodeView<'_> {
-    NodeView { node, children: &[] }
+    NodeView { node, children: Children { list: &NO_NODES, places: &[] } }
 }
 
 #[derive(Serialize)]
@@ -297,7 +344,7 @@ mod tests {
             created_at: 1_764_000_000_123,
         };
         let bare = Node::new("m1", "c1", None, Message::user("hi"), 0);
-        let shown = |list: &[Node]| serde_json::to_value(nodes(list)).expect("views serialize");
+        let shown = |list: &[Node]| serde_json::to_value(nodes(list.to_vec())).expect("views serialize");
         assert_eq!(shown(std::slice::from_ref(&full)), json!([flattened(&full, &[])]));
         assert_eq!(
             shown(&[bare.clone(), full.clone()]),
@@ -344,7 +391,7 @@ mod tests {
             list.push(node);
         }
         for count in [1, 2, 40, 400] {
-            let views = nodes(&list[..count]);
+            let views = nodes(list[..count].to_vec());
             let written = arbor_core::json::to_vec(&views).expect("serializes").len();
             let estimate = views.bytes();
             assert!(estimate >= written, "{count}: {estimate} for {written} bytes");
@@ -365,7 +412,7 @@ mod tests {
             node("f", Some("b")),
             node("e", Some("missing")),
         ];
-        let views = serde_json::to_value(nodes(&list)).expect("views serialize");
+        let views = serde_json::to_value(nodes(list.to_vec())).expect("views serialize");
         let shown: Vec<(&str, Vec<&str>)> = views
             .as_array()
             .expect("a list")

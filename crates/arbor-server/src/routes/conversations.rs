@@ -1,7 +1,7 @@
 //! `/v1/conversations`: create, list (newest first, paginated), read with the
 //! whole tree, change, delete.
 
-use arbor_engine::NewConversation;
+use arbor_engine::{ConversationTree, NewConversation};
 use arbor_store::{ConversationCursor, ConversationUpdate};
 use axum::Router;
 use axum::extract::{Path, State};
@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{Caller, Json, LargeJson, Query};
+use crate::extract::{Caller, Json, NodesJson, Query};
 use crate::views;
 
 pub fn router() -> Router<AppState> {
@@ -98,16 +98,9 @@ async fn read(
         Some(0) | None => state.engine.conversation_tree(&user, &id).await?,
         Some(other) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
     };
-    #[derive(serde::Serialize)]
-    struct Body<'a> {
-        #[serde(flatten)]
-        conversation: views::ConversationView<'a>,
-        messages: views::NodeViews<'a>,
-    }
-    let messages = views::nodes(&tree.messages);
-    let bytes = messages.bytes() + 1024;
-    let body = Body { conversation: views::conversation(&tree.conversation), messages };
-    Ok(LargeJson { body, bytes }.into_response())
+    let ConversationTree { conversation, messages } = tree;
+    let fields = views::conversation(&conversation);
+    Ok(NodesJson { fields, key: "messages", nodes: views::nodes(messages) }.into_response())
 }
 
 #[derive(Deserialize)]

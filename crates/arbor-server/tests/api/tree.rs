@@ -176,6 +176,67 @@ async fn append_without_a_turn_then_regenerate_and_move_the_head() {
     assert_eq!(unknown.status, 400);
 }
 
+/// A conversation far longer than one part of a response (64 KiB): the
+/// recorded view's answer and the tree are sent as they are written, and
+/// read back whole, in order, with every node's children.
+#[tokio::test]
+async fn a_long_tree_is_sent_in_parts_and_reads_whole() {
+    let app = spawn_app().await;
+    let key = app.admin_key.clone();
+    let conversation = app.new_conversation(&key, json!({})).await;
+    let text = |index: usize| format!("message {index}: {}", "a \"quoted\" word, ".repeat(12));
+    let trunk: Vec<Value> = (0..600)
+        .map(|index| {
+            let role = if index % 2 == 0 { "user" } else { "assistant" };
+            json!({"id": format!("m{index}"), "role": role, "content": text(index)})
+        })
+        .collect();
+    let recorded = app
+        .post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"messages": trunk, "run": false}))
+        .await;
+    assert_eq!(recorded.status, 201, "{:?}", recorded.body);
+    assert_eq!(ids(&messages(&recorded.body)), (0..600).map(|index| format!("m{index}")).collect::<Vec<_>>());
+    assert_eq!(recorded.body["messages"][599]["content"], text(599));
+    assert_eq!(recorded.body["head_id"], "m599");
+
+    // A branch at m300: the trunk up to m299, then an edited message.
+    let mut branch = trunk[..300].to_vec();
+    branch.push(json!({"id": "edit", "role": "user", "content": "an edited question"}));
+    let edited = app
+        .post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"messages": branch, "run": false}))
+        .await;
+    assert_eq!(edited.status, 201, "{:?}", edited.body);
+
+    let response = app
+        .client
+        .get(app.url(&format!("/v1/conversations/{conversation}")))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .expect("request sent");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["transfer-encoding"], "chunked", "sent as it is written");
+    let tree: Value = serde_json::from_slice(&response.bytes().await.expect("read")).expect("the tree is JSON");
+    assert_eq!(tree["id"], conversation.as_str());
+    assert_eq!(tree["head_id"], "edit");
+    let nodes = messages(&tree);
+    let mut expected: Vec<String> = (0..600).map(|index| format!("m{index}")).collect();
+    expected.push("edit".into());
+    assert_eq!(ids(&nodes), expected);
+    for (index, node) in nodes[..600].iter().enumerate() {
+        assert_eq!(node["content"], text(index));
+        let children = match index {
+            299 => json!(["m300", "edit"]),
+            599 => json!([]),
+            _ => json!([format!("m{}", index + 1)]),
+        };
+        assert_eq!(node["children"], children, "m{index}");
+    }
+
+    let path = app.get(&key, &format!("/v1/conversations/{conversation}?path=1")).await.body;
+    assert_eq!(ids(&messages(&path)), expected[..300].iter().cloned().chain(["edit".to_string()]).collect::<Vec<_>>());
+}
+
 #[tokio::test]
 async fn a_stale_head_version_is_refused_and_writes_nothing() {
     let app = spawn_app().await;
