@@ -89,12 +89,8 @@ pub struct NodeViews<N> {
 }
 
 impl<N: Borrow<Node>> NodeViews<N> {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.nodes.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
     }
 
     /// The node at `place` with its children.
