@@ -659,7 +659,9 @@ if trees:
       "recorded with views (`run: false`). Then, repeatedly and one request at a time: move the head to "
       "another branch's leaf, load the whole tree, load the active path (`?path=1`, the context a turn "
       "sends), and run one JSON turn at that leaf (0 ms mock), then the next turn on the same branch "
-      "(its path the last one's, the reply and the new message).")
+      "(its path the last one's, the reply and the new message). *Its head*: when the tree read's response "
+      "head arrived (a list longer than 64 KiB is sent as it is written, so the head comes with its first "
+      "parts).")
     w("")
     w("| backend | record trunk | record a branch p50 | move head p50 / p99 | load tree p50 / p99 (size; its head p50) "
       "| load path p50 / p99 (last path's length) | turn at leaf p50 / p99 | its header overhead p50 / p99 "
