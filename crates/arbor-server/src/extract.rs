@@ -198,7 +198,7 @@ impl<N: Borrow<Node>> Iterator for NodeParts<N> {
             if self.next > 0 {
                 part.push(',');
             }
-            if let Err(error) = arbor_core::json::write(&mut part, &self.nodes.view(self.next)) {
+            if let Err(error) = self.nodes.view(self.next).write(&mut part) {
                 self.ended = true;
                 return Some(Err(error));
             }

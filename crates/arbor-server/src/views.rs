@@ -51,6 +51,73 @@ pub struct NodeView<'a> {
     children: Children<'a>,
 }
 
+impl NodeView<'_> {
+    /// Appends the view's JSON to `out`: the text its derived `Serialize`
+    /// writes (a test compares the two), field by field. serde writes a
+    /// flattened struct as a map, an entry at a time (~240 instructions a
+    /// field, ~3,000 a node of a long tree); this writes the keys as they
+    /// are and only the values through `arbor_core::json`. A field added to
+    /// `Node` or `Message` is added here too: the test's full node sets
+    /// every field, so a missing one fails it.
+    pub fn write(&self, out: &mut String) -> Result<(), arbor_core::json::Error> {
+        use arbor_core::json::write;
+        let optional = |out: &mut String, key: &str, value: Option<&str>| {
+            out.push_str(key);
+            match value {
+                Some(text) => write(out, text),
+                None => {
+                    out.push_str("null");
+                    Ok(())
+                }
+            }
+        };
+        let (node, message) = (self.node, &self.node.message);
+        out.push_str("{\"id\":");
+        write(out, node.id.as_str())?;
+        out.push_str(",\"conversation_id\":");
+        write(out, node.conversation_id.as_str())?;
+        optional(out, ",\"parent_id\":", node.parent_id.as_deref())?;
+        out.push_str(",\"role\":");
+        write(out, &message.role)?;
+        optional(out, ",\"content\":", message.content.as_deref())?;
+        if !message.parts.is_empty() {
+            out.push_str(",\"parts\":");
+            write(out, &message.parts)?;
+        }
+        if !message.tool_calls.is_empty() {
+            out.push_str(",\"tool_calls\":");
+            write(out, &message.tool_calls)?;
+        }
+        if let Some(id) = &message.tool_call_id {
+            optional(out, ",\"tool_call_id\":", Some(id))?;
+        }
+        if let Some(name) = &message.tool_name {
+            optional(out, ",\"tool_name\":", Some(name))?;
+        }
+        if let Some(status) = &message.tool_status {
+            out.push_str(",\"tool_status\":");
+            write(out, status)?;
+        }
+        optional(out, ",\"model\":", node.model.as_deref())?;
+        optional(out, ",\"provider\":", node.provider.as_deref())?;
+        optional(out, ",\"turn_id\":", node.turn_id.as_deref())?;
+        optional(out, ",\"copied_from\":", node.copied_from.as_deref())?;
+        out.push_str(",\"status\":");
+        write(out, &node.status)?;
+        out.push_str(",\"created_at\":");
+        write(out, &Rfc3339(node.created_at))?;
+        out.push_str(",\"children\":[");
+        for (index, &place) in self.children.places.iter().enumerate() {
+            if index > 0 {
+                out.push(',');
+            }
+            write(out, self.children.list.id(place))?;
+        }
+        out.push_str("]}");
+        Ok(())
+    }
+}
+
 /// A node's children's ids, by their places in a list of nodes.
 struct Children<'a> {
     list: &'a dyn Ids,
@@ -356,6 +423,28 @@ mod tests {
             assert_eq!(bare_view[null], Value::Null, "{null} is shown as null");
         }
         assert_eq!(bare_view["created_at"], "1970-01-01T00:00:00Z");
+
+        // Written field by field, the views are the derived text byte for
+        // byte: every field set, none set, text that needs escaping.
+        let odd = Node {
+            id: "m\"3\u{7}".into(),
+            parent_id: Some("m2".into()),
+            message: Message {
+                tool_call_id: Some("call\\1".into()),
+                tool_status: Some(ToolStatus::Success),
+                ..Message::text(Role::Tool, "é\n€ 😀")
+            },
+            ..bare.clone()
+        };
+        let list = vec![bare.clone(), full.clone(), odd];
+        let views = nodes(list);
+        for place in 0..views.len() {
+            let view = views.view(place);
+            let mut written = String::new();
+            view.write(&mut written).expect("written");
+            assert_eq!(written, serde_json::to_string(&view).expect("serializes"), "node {place}");
+            assert_eq!(written, arbor_core::json::to_string(&view).expect("serializes"), "node {place}");
+        }
     }
 
     /// The size a tree's response is written into is enough for a
