@@ -36,15 +36,6 @@ pub fn to_vec<T: ?Sized + Serialize>(value: &T) -> Result<Vec<u8>> {
     to_string(value).map(String::into_bytes)
 }
 
-/// The same, written into a buffer of `capacity` bytes to start with: for
-/// a value whose size is known roughly beforehand, so that a large one is
-/// not copied to a buffer twice the size again and again as it grows.
-pub fn to_vec_with_capacity<T: ?Sized + Serialize>(value: &T, capacity: usize) -> Result<Vec<u8>> {
-    let mut out = String::with_capacity(capacity);
-    write(&mut out, value)?;
-    Ok(out.into_bytes())
-}
-
 /// Appends `value` as compact JSON to `out`. On an error `out` holds
 /// whatever was written before it.
 pub fn write<T: ?Sized + Serialize>(out: &mut String, value: &T) -> Result<()> {

@@ -107,12 +107,16 @@ fn json_content_type(headers: &HeaderMap) -> bool {
 /// response type here allows, is a plain-text 500 as with `axum::Json`.
 impl<T: Serialize> IntoResponse for Json<T> {
     fn into_response(self) -> Response {
-        json_response(&self.0, 128)
+        match arbor_core::json::to_vec(&self.0) {
+            Ok(body) => ([(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response(),
+            Err(error) => server_error(&error),
+        }
     }
 }
 
-/// A JSON object whose last field is a list of nodes, which can be long (a
-/// conversation's tree of thousands of messages, 3 MB of JSON for 10,000).
+/// A JSON object whose last field, `messages`, is a list of nodes, which can
+/// be long (a conversation's tree of thousands of messages, 3 MB of JSON
+/// for 10,000).
 /// A list longer than [`PART_BYTES`] is sent as it is written, a part of
 /// about that size at a time (chunked): the client reads the first nodes
 /// while the next are written, and a read holds one part in memory rather
@@ -120,30 +124,30 @@ impl<T: Serialize> IntoResponse for Json<T> {
 pub struct NodesJson<F, N> {
     /// The object's other fields: something that serializes as an object.
     pub fields: F,
-    /// The list's key.
-    pub key: &'static str,
     pub nodes: NodeViews<N>,
 }
 
 /// About how much of a long list's JSON is written before it is sent.
 pub const PART_BYTES: usize = 64 * 1024;
 
+/// A part's buffer: room for the part and the node that passes its size.
+const PART_CAPACITY: usize = PART_BYTES + PART_BYTES / 8;
+
 impl<F: Serialize, N: Borrow<Node> + Send + 'static> IntoResponse for NodesJson<F, N> {
     fn into_response(self) -> Response {
         let estimate = self.nodes.bytes();
         let whole = estimate <= PART_BYTES;
         // The whole text, or a part (and the head) in one buffer.
-        let mut head = String::with_capacity(estimate.min(PART_BYTES + PART_BYTES / 8) + 1024);
+        let mut head = String::with_capacity(estimate.min(PART_CAPACITY) + 1024);
         let opened = arbor_core::json::write(&mut head, &self.fields).and_then(|()| {
-            // `{…}` becomes `{…,"key":[`.
+            // `{…}` becomes `{…,"messages":[`.
             if head.pop() != Some('}') {
                 return Err(serde::ser::Error::custom("the fields are not an object"));
             }
             if head.len() > 1 {
                 head.push(',');
             }
-            arbor_core::json::write(&mut head, self.key)?;
-            head.push_str(":[");
+            head.push_str("\"messages\":[");
             Ok(())
         });
         if let Err(error) = opened {
@@ -158,10 +162,9 @@ impl<F: Serialize, N: Borrow<Node> + Send + 'static> IntoResponse for NodesJson<
         };
         let json = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
         if whole {
-            return match parts.next() {
-                Some(Ok(body)) => (json, body).into_response(),
-                Some(Err(error)) => server_error(&error),
-                None => server_error(&"the list was not written"),
+            return match parts.part() {
+                Ok(body) => (json, body).into_response(),
+                Err(error) => server_error(&error),
             };
         }
         (json, Body::from_stream(futures_util::stream::iter(parts))).into_response()
@@ -183,16 +186,13 @@ struct NodeParts<N> {
     limit: usize,
 }
 
-impl<N: Borrow<Node>> Iterator for NodeParts<N> {
-    type Item = Result<Bytes, arbor_core::json::Error>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.ended {
-            return None;
-        }
+impl<N: Borrow<Node>> NodeParts<N> {
+    /// The next part; the last one ends the object. After an error, or the
+    /// last part, there is nothing more to write.
+    fn part(&mut self) -> Result<Bytes, arbor_core::json::Error> {
         let mut part = match std::mem::take(&mut self.pending) {
             text if text.capacity() > 0 => text,
-            _ => String::with_capacity(PART_BYTES + PART_BYTES / 8),
+            _ => String::with_capacity(PART_CAPACITY),
         };
         while part.len() < self.limit && self.next < self.nodes.len() {
             if self.next > 0 {
@@ -200,7 +200,7 @@ impl<N: Borrow<Node>> Iterator for NodeParts<N> {
             }
             if let Err(error) = self.nodes.view(self.next).write(&mut part) {
                 self.ended = true;
-                return Some(Err(error));
+                return Err(error);
             }
             self.next += 1;
         }
@@ -208,7 +208,15 @@ impl<N: Borrow<Node>> Iterator for NodeParts<N> {
             part.push_str("]}");
             self.ended = true;
         }
-        Some(Ok(Bytes::from(part)))
+        Ok(Bytes::from(part))
+    }
+}
+
+impl<N: Borrow<Node>> Iterator for NodeParts<N> {
+    type Item = Result<Bytes, arbor_core::json::Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        (!self.ended).then(|| self.part())
     }
 }
 
@@ -220,15 +228,6 @@ fn server_error(error: &dyn std::fmt::Display) -> Response {
         error.to_string(),
     )
         .into_response()
-}
-
-/// `body` as a JSON response, written into a buffer of `capacity` bytes to
-/// start with.
-fn json_response<T: Serialize>(body: &T, capacity: usize) -> Response {
-    match arbor_core::json::to_vec_with_capacity(body, capacity) {
-        Ok(body) => ([(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response(),
-        Err(error) => server_error(&error),
-    }
 }
 
 /// Query parameters, with a 400 naming the bad one.
@@ -283,7 +282,7 @@ mod tests {
 
     async fn respond(list: &[Node]) -> (Option<usize>, Value) {
         let fields = Fields { head_id: "m1", head_version: 7 };
-        let response = NodesJson { fields, key: "messages", nodes: views::nodes(list.to_vec()) }.into_response();
+        let response = NodesJson { fields, nodes: views::nodes(list.to_vec()) }.into_response();
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(response.headers()[CONTENT_TYPE], "application/json");
         // The length hyper sends as `content-length`, when the body knows it.
@@ -332,8 +331,7 @@ mod tests {
 
     #[tokio::test]
     async fn fields_that_are_not_an_object_are_a_server_error() {
-        let response =
-            NodesJson { fields: [1, 2], key: "messages", nodes: views::nodes(conversation(3)) }.into_response();
+        let response = NodesJson { fields: [1, 2], nodes: views::nodes(conversation(3)) }.into_response();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
     }
 }

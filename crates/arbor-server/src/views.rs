@@ -43,22 +43,30 @@ pub fn conversation(conversation: &Conversation) -> ConversationView<'_> {
     }
 }
 
-/// A tree node as the API shows it: the node and its children's ids.
-#[derive(Serialize)]
+/// A tree node as the API shows it: the node's fields as `Node` serializes
+/// them, then its children's ids.
 pub struct NodeView<'a> {
-    #[serde(flatten)]
     node: &'a Node,
     children: Children<'a>,
 }
 
+/// As [`NodeView::write`] writes it (a turn's reply, a test's list).
+impl Serialize for NodeView<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut text = String::with_capacity(512);
+        self.write(&mut text).map_err(serde::ser::Error::custom)?;
+        Verbatim(&text).serialize(serializer)
+    }
+}
+
 impl NodeView<'_> {
-    /// Appends the view's JSON to `out`: the text its derived `Serialize`
-    /// writes (a test compares the two), field by field. serde writes a
-    /// flattened struct as a map, an entry at a time (~240 instructions a
-    /// field, ~3,000 a node of a long tree); this writes the keys as they
-    /// are and only the values through `arbor_core::json`. A field added to
-    /// `Node` or `Message` is added here too: the test's full node sets
-    /// every field, so a missing one fails it.
+    /// Appends the view's JSON to `out`: `Node`'s derived text with the
+    /// children after it (a test compares the two), field by field. serde
+    /// writes a flattened struct as a map, an entry at a time (~240
+    /// instructions a field, ~3,000 a node of a long tree); this writes the
+    /// keys as they are and only the values through `arbor_core::json`. A
+    /// field added to `Node` or `Message` is added here too: the test's full
+    /// node sets every field, so a missing one fails it.
     pub fn write(&self, out: &mut String) -> Result<(), arbor_core::json::Error> {
         use arbor_core::json::write;
         let optional = |out: &mut String, key: &str, value: Option<&str>| {
@@ -122,12 +130,6 @@ impl NodeView<'_> {
 struct Children<'a> {
     list: &'a dyn Ids,
     places: &'a [usize],
-}
-
-impl Serialize for Children<'_> {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_seq(self.places.iter().map(|&place| self.list.id(place)))
-    }
 }
 
 /// A list of nodes' ids by place.
@@ -424,8 +426,9 @@ mod tests {
         }
         assert_eq!(bare_view["created_at"], "1970-01-01T00:00:00Z");
 
-        // Written field by field, the views are the derived text byte for
-        // byte: every field set, none set, text that needs escaping.
+        // Written field by field, the views are the node's derived text and
+        // its children, byte for byte: every field set, none set, text that
+        // needs escaping.
         let odd = Node {
             id: "m\"3\u{7}".into(),
             parent_id: Some("m2".into()),
@@ -436,14 +439,20 @@ mod tests {
             },
             ..bare.clone()
         };
-        let list = vec![bare.clone(), full.clone(), odd];
-        let views = nodes(list);
-        for place in 0..views.len() {
+        let derived = |node: &Node, children: &[&str]| {
+            let mut text = serde_json::to_string(node).expect("serializes");
+            text.pop();
+            text + ",\"children\":" + &serde_json::to_string(children).expect("serializes") + "}"
+        };
+        let expected = [derived(&bare, &["m2"]), derived(&full, &[odd.id.as_str()]), derived(&odd, &[])];
+        let views = nodes(vec![bare.clone(), full.clone(), odd.clone()]);
+        for (place, expected) in expected.iter().enumerate() {
             let view = views.view(place);
             let mut written = String::new();
             view.write(&mut written).expect("written");
-            assert_eq!(written, serde_json::to_string(&view).expect("serializes"), "node {place}");
-            assert_eq!(written, arbor_core::json::to_string(&view).expect("serializes"), "node {place}");
+            assert_eq!(&written, expected, "node {place}");
+            assert_eq!(&serde_json::to_string(&view).expect("serializes"), expected, "node {place}");
+            assert_eq!(&arbor_core::json::to_string(&view).expect("serializes"), expected, "node {place}");
         }
     }
 

@@ -100,7 +100,7 @@ async fn read(
     };
     let ConversationTree { conversation, messages } = tree;
     let fields = views::conversation(&conversation);
-    Ok(NodesJson { fields, key: "messages", nodes: views::nodes(messages) }.into_response())
+    Ok(NodesJson { fields, nodes: views::nodes(messages) }.into_response())
 }
 
 #[derive(Deserialize)]

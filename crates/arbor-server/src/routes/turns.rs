@@ -112,8 +112,7 @@ async fn submit(
                 head_version: i64,
             }
             let nodes = views::nodes(messages);
-            Ok((StatusCode::CREATED, NodesJson { fields: Head { head_id, head_version }, key: "messages", nodes })
-                .into_response())
+            Ok((StatusCode::CREATED, NodesJson { fields: Head { head_id, head_version }, nodes }).into_response())
         }
         Submitted::HeadMoved { head_id, head_version } => {
             Ok(Json(json!({"head_id": head_id, "head_version": head_version})).into_response())
