@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use crate::message::{Message, Node};
 
 /// What a node costs the tree beyond its own size: the `Arc`'s two counts,
-/// its slot in `nodes` and its entry in `by_id`.
-const NODE_OVERHEAD: usize = 2 * size_of::<usize>() + size_of::<Arc<Node>>() + size_of::<usize>();
+/// its slot in `nodes`, its entry in `by_id` and its links.
+const NODE_OVERHEAD: usize = 2 * size_of::<usize>() + size_of::<Arc<Node>>() + size_of::<usize>() + size_of::<Links>();
 
 /// An index over a conversation's nodes, in creation order.
 ///
@@ -26,6 +26,10 @@ pub struct Tree {
     nodes: Vec<Arc<Node>>,
     /// Positions in `nodes`, found by the hash of the node's id.
     by_id: HashTable<usize>,
+    /// Each node's children, by position, beside `nodes`: a reader of the
+    /// whole tree lists every node's children without a pass over all of
+    /// them first.
+    links: Vec<Links>,
     /// foldhash, seeded at random per tree: a path from the head to the
     /// root hashes each id on it (~20 a JSON turn of the benchmark's
     /// conversations), and std's SipHash took ~250 instructions for a
@@ -41,6 +45,7 @@ impl Tree {
         let mut tree = Tree {
             nodes: Vec::with_capacity(nodes.len()),
             by_id: HashTable::with_capacity(nodes.len()),
+            links: Vec::with_capacity(nodes.len()),
             hasher: RandomState::default(),
             bytes: 0,
         };
@@ -50,13 +55,25 @@ impl Tree {
         tree
     }
 
-    /// Adds a node (a new leaf) to the index. A node whose id is already
-    /// there takes its place in the index (the store never writes one).
-    /// A node already shared (`Arc`) joins the tree without a copy.
+    /// Adds a node (a new leaf) to the index, as its parent's last child
+    /// when the parent is in the tree. A node whose id is already there
+    /// takes its place in the index (the store never writes one). A node
+    /// already shared (`Arc`) joins the tree without a copy.
     pub fn push(&mut self, node: impl Into<Arc<Node>>) {
         let node = node.into();
-        let Tree { nodes, by_id, hasher, bytes } = self;
+        let parent = node.parent_id.as_deref().and_then(|parent| self.place(parent));
+        let Tree { nodes, by_id, links, hasher, bytes } = self;
         let position = nodes.len();
+        // A conversation is far shorter than u32::MAX nodes; a longer tree
+        // would only leave the nodes past it out of their parents' children.
+        if let (Some(parent), Ok(child)) = (parent, u32::try_from(position)) {
+            match links[parent].last_child {
+                Some(last) => links[last as usize].next_sibling = Some(child),
+                None => links[parent].first_child = Some(child),
+            }
+            links[parent].last_child = Some(child);
+        }
+        links.push(Links::default());
         let hash = hasher.hash_one(node.id.as_str());
         let entry =
             by_id.entry(hash, |&known| nodes[known].id == node.id, |&known| hasher.hash_one(nodes[known].id.as_str()));
@@ -83,8 +100,23 @@ impl Tree {
 
     /// The node as the tree holds it, to share it.
     fn shared(&self, id: &str) -> Option<&Arc<Node>> {
+        self.place(id).map(|position| &self.nodes[position])
+    }
+
+    /// Where the node is in [`Tree::nodes`]'s order.
+    pub fn place(&self, id: &str) -> Option<usize> {
         let hash = self.hasher.hash_one(id);
-        self.by_id.find(hash, |&known| self.nodes[known].id == id).map(|&position| &self.nodes[position])
+        self.by_id.find(hash, |&known| self.nodes[known].id == id).copied()
+    }
+
+    /// The node at `place` in [`Tree::nodes`]'s order.
+    pub fn at(&self, place: usize) -> &Arc<Node> {
+        &self.nodes[place]
+    }
+
+    /// The places of the node at `place`'s children, in creation order.
+    pub fn child_places(&self, place: usize) -> ChildPlaces<'_> {
+        ChildPlaces { links: &self.links, next: self.links[place].first_child }
     }
 
     /// The nodes in creation order, as the tree shares them.
@@ -102,7 +134,8 @@ impl Tree {
 
     /// The ids of a node's children, in creation order.
     pub fn children(&self, id: &str) -> Vec<&str> {
-        self.nodes().filter(|node| node.parent_id.as_deref() == Some(id)).map(|node| node.id.as_str()).collect()
+        let Some(place) = self.place(id) else { return Vec::new() };
+        self.child_places(place).map(|child| self.nodes[child].id.as_str()).collect()
     }
 
     /// The path from the root to `leaf` (inclusive), oldest first. Empty when
@@ -123,6 +156,32 @@ impl Tree {
         }
         path.reverse();
         path
+    }
+}
+
+/// A node's links to its children, by position in the tree's nodes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Links {
+    first_child: Option<u32>,
+    last_child: Option<u32>,
+    /// The parent's next child after this one.
+    next_sibling: Option<u32>,
+}
+
+/// The places of a node's children ([`Tree::child_places`]).
+#[derive(Debug, Clone)]
+pub struct ChildPlaces<'a> {
+    links: &'a [Links],
+    next: Option<u32>,
+}
+
+impl Iterator for ChildPlaces<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let place = self.next? as usize;
+        self.next = self.links[place].next_sibling;
+        Some(place)
     }
 }
 
@@ -272,6 +331,42 @@ mod tests {
     }
 
     #[test]
+    fn a_nodes_children_are_its_own_in_creation_order_as_the_tree_grows() {
+        // Each node hangs under one of the ten before it; every fiftieth
+        // under a parent the tree does not have.
+        let nodes: Vec<Node> = (0..500)
+            .map(|index: usize| {
+                let parent = match index {
+                    0 => None,
+                    _ if index.is_multiple_of(50) => Some("missing".to_string()),
+                    _ => Some(format!("n{}", index - 1 - (index * 31) % index.min(10))),
+                };
+                Node::new(format!("n{index}"), "c", parent, Message::user("x"), 0)
+            })
+            .collect();
+        let grown = nodes.iter().cloned().fold(Tree::new(Vec::new()), |mut tree, node| {
+            tree.push(node);
+            tree
+        });
+        for tree in [Tree::new(nodes.clone()), grown] {
+            for (place, node) in nodes.iter().enumerate() {
+                let expected: Vec<&str> = nodes
+                    .iter()
+                    .filter(|child| child.parent_id.as_deref() == Some(node.id.as_str()))
+                    .map(|child| child.id.as_str())
+                    .collect();
+                assert_eq!(tree.children(&node.id), expected, "{}", node.id);
+                let by_place: Vec<&str> = tree.child_places(place).map(|child| tree.at(child).id.as_str()).collect();
+                assert_eq!(by_place, expected);
+                assert_eq!(tree.place(&node.id), Some(place));
+            }
+            assert!(tree.children("missing").is_empty());
+            let branching = nodes.iter().filter(|node| tree.children(&node.id).len() > 1).count();
+            assert!(branching > 40, "{branching} nodes with more than one child");
+        }
+    }
+
+    #[test]
     fn every_node_is_found_by_id_as_the_tree_grows_and_copies_stay_apart() {
         let mut tree = Tree::new(vec![node("n0", None)]);
         for index in 1..1000 {
@@ -291,6 +386,8 @@ mod tests {
         assert!(tree.get("reply").is_none());
         assert_eq!(extended.get("reply").and_then(|found| found.parent_id.as_deref()), Some("n999"));
         assert_eq!((tree.len(), extended.len()), (1000, 1001));
+        assert_eq!(extended.children("n999"), ["reply"]);
+        assert!(tree.children("n999").is_empty(), "the reader's tree has no link to the copy's reply");
 
         // A repeated id (which the store never writes) names the newer node.
         let mut repeated = Tree::new(vec![node("a", None), node("b", Some("a"))]);

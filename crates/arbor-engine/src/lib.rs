@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arbor_core::ids::{new_id, now_millis};
+use arbor_core::tree::Tree;
 use arbor_core::{EventName, Node};
 use arbor_store::{
     ApiCall, Conversation, ConversationCursor, ConversationUpdate, Store, StoreError, Turn, TurnStatus, User,
@@ -151,12 +152,21 @@ impl TurnHandle {
     }
 }
 
-/// A conversation with its whole tree, or with its active path
-/// ([`Engine::conversation_path`]).
+/// A conversation with its whole tree ([`Engine::conversation_tree`]).
 #[derive(Debug, Clone)]
 pub struct ConversationTree {
     pub conversation: Conversation,
-    /// Shared with the conversation's tree when it is in memory.
+    /// The conversation's tree in memory when it is busy (shared, not
+    /// copied), else read from the store.
+    pub tree: Arc<Tree>,
+}
+
+/// A conversation with its active path ([`Engine::conversation_path`]).
+#[derive(Debug, Clone)]
+pub struct ConversationPath {
+    pub conversation: Conversation,
+    /// Root to head, shared with the conversation's tree when it is in
+    /// memory.
     pub messages: Vec<Arc<Node>>,
 }
 
@@ -511,30 +521,28 @@ impl Engine {
     pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
         // A busy conversation's tree is in memory; others come from the store.
-        let messages = match self.hub_if_loaded(&conversation.id) {
-            Some(hub) => {
-                self.inner.tree(&hub, &conversation.id, conversation.head_version).await?.nodes().cloned().collect()
-            }
-            None => self.inner.store.messages(&conversation.id).await?.into_iter().map(Arc::new).collect(),
+        let tree = match self.hub_if_loaded(&conversation.id) {
+            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?,
+            None => Arc::new(Tree::new(self.inner.store.messages(&conversation.id).await?)),
         };
-        Ok(ConversationTree { conversation, messages })
+        Ok(ConversationTree { conversation, tree })
     }
 
     /// The conversation with only its active path (root to head, the
     /// context a turn sends). Walked in the busy conversation's tree in
     /// memory, or in one read from the store. The messages are the tree's,
     /// shared: none is copied.
-    pub async fn conversation_path(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
+    pub async fn conversation_path(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationPath> {
         let conversation = self.conversation(user, conversation_id).await?;
         let Some(head) = conversation.head_id.as_deref() else {
-            return Ok(ConversationTree { conversation, messages: Vec::new() });
+            return Ok(ConversationPath { conversation, messages: Vec::new() });
         };
         let tree = match self.hub_if_loaded(&conversation.id) {
             Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?,
-            None => Arc::new(arbor_core::tree::Tree::new(self.inner.store.messages(&conversation.id).await?)),
+            None => Arc::new(Tree::new(self.inner.store.messages(&conversation.id).await?)),
         };
         let messages = tree.path_to(head).into_iter().cloned().collect();
-        Ok(ConversationTree { conversation, messages })
+        Ok(ConversationPath { conversation, messages })
     }
 
     pub async fn list_conversations(

@@ -1,9 +1,6 @@
 //! Extractors: the caller's identity from the bearer key, and JSON / query
 //! bodies whose rejections become [`ApiError`]s with the problem named.
 
-use std::borrow::Borrow;
-
-use arbor_core::Node;
 use arbor_store::User;
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequest, FromRequestParts, Request};
@@ -16,7 +13,7 @@ use serde::de::DeserializeOwned;
 
 use crate::AppState;
 use crate::error::ApiError;
-use crate::views::NodeViews;
+use crate::views::NodeList;
 
 /// The authenticated caller.
 pub struct Caller(pub User);
@@ -121,10 +118,10 @@ impl<T: Serialize> IntoResponse for Json<T> {
 /// about that size at a time (chunked): the client reads the first nodes
 /// while the next are written, and a read holds one part in memory rather
 /// than the whole text. A shorter one is written whole, with its length.
-pub struct NodesJson<F, N> {
+pub struct NodesJson<F, L> {
     /// The object's other fields: something that serializes as an object.
     pub fields: F,
-    pub nodes: NodeViews<N>,
+    pub nodes: L,
 }
 
 /// About how much of a long list's JSON is written before it is sent.
@@ -133,9 +130,9 @@ pub const PART_BYTES: usize = 64 * 1024;
 /// A part's buffer: room for the part and the node that passes its size.
 const PART_CAPACITY: usize = PART_BYTES + PART_BYTES / 8;
 
-impl<F: Serialize, N: Borrow<Node> + Send + 'static> IntoResponse for NodesJson<F, N> {
+impl<F: Serialize, L: NodeList> IntoResponse for NodesJson<F, L> {
     fn into_response(self) -> Response {
-        let estimate = self.nodes.bytes();
+        let estimate = self.nodes.bytes_up_to(PART_BYTES);
         let whole = estimate <= PART_BYTES;
         // The whole text, or a part (and the head) in one buffer.
         let mut head = String::with_capacity(estimate.min(PART_CAPACITY) + 1024);
@@ -176,17 +173,17 @@ impl<F: Serialize, N: Borrow<Node> + Send + 'static> IntoResponse for NodesJson<
 /// object's end. A node that cannot be written (no node's fields can fail)
 /// ends the body with an error: hyper then drops the connection, and the
 /// client sees a broken response rather than a short list.
-struct NodeParts<N> {
+struct NodeParts<L> {
     /// Written and not yet handed on: the head, before the first part.
     pending: String,
-    nodes: NodeViews<N>,
+    nodes: L,
     /// The next node to write.
     next: usize,
     ended: bool,
     limit: usize,
 }
 
-impl<N: Borrow<Node>> NodeParts<N> {
+impl<L: NodeList> NodeParts<L> {
     /// The next part; the last one ends the object. After an error, or the
     /// last part, there is nothing more to write.
     fn part(&mut self) -> Result<Bytes, arbor_core::json::Error> {
@@ -194,7 +191,7 @@ impl<N: Borrow<Node>> NodeParts<N> {
             text if text.capacity() > 0 => text,
             _ => String::with_capacity(PART_CAPACITY),
         };
-        while part.len() < self.limit && self.next < self.nodes.len() {
+        while part.len() < self.limit && self.next < self.nodes.count() {
             if self.next > 0 {
                 part.push(',');
             }
@@ -204,7 +201,7 @@ impl<N: Borrow<Node>> NodeParts<N> {
             }
             self.next += 1;
         }
-        if self.next == self.nodes.len() {
+        if self.next == self.nodes.count() {
             part.push_str("]}");
             self.ended = true;
         }
@@ -212,7 +209,7 @@ impl<N: Borrow<Node>> NodeParts<N> {
     }
 }
 
-impl<N: Borrow<Node>> Iterator for NodeParts<N> {
+impl<L: NodeList> Iterator for NodeParts<L> {
     type Item = Result<Bytes, arbor_core::json::Error>;
 
     fn next(&mut self) -> Option<Self::Item> {
@@ -244,7 +241,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Query<T> {
 
 #[cfg(test)]
 mod tests {
-    use arbor_core::Message;
+    use std::sync::Arc;
+
+    use arbor_core::tree::Tree;
+    use arbor_core::{Message, Node};
     use axum::body::HttpBody;
     use serde_json::{Value, json};
 
@@ -280,9 +280,14 @@ mod tests {
         value
     }
 
-    async fn respond(list: &[Node]) -> (Option<usize>, Value) {
+    /// The list's views, and the tree of the same nodes.
+    fn both(list: &[Node]) -> (impl NodeList, impl NodeList) {
+        (views::nodes(list.to_vec()), Arc::new(Tree::new(list.to_vec())))
+    }
+
+    async fn respond(nodes: impl NodeList) -> (Option<usize>, Value) {
         let fields = Fields { head_id: "m1", head_version: 7 };
-        let response = NodesJson { fields, nodes: views::nodes(list.to_vec()) }.into_response();
+        let response = NodesJson { fields, nodes }.into_response();
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(response.headers()[CONTENT_TYPE], "application/json");
         // The length hyper sends as `content-length`, when the body knows it.
@@ -298,23 +303,27 @@ mod tests {
     async fn a_short_list_is_sent_whole_with_its_length() {
         for count in [0, 1, 2, 100] {
             let list = conversation(count);
-            let (length, body) = respond(&list).await;
-            assert!(length.is_some(), "{count} nodes: sent whole");
-            assert_eq!(body, expected(&list), "{count} nodes");
+            let (listed, tree) = both(&list);
+            for (length, body) in [respond(listed).await, respond(tree).await] {
+                assert!(length.is_some(), "{count} nodes: sent whole");
+                assert_eq!(body, expected(&list), "{count} nodes");
+            }
         }
     }
 
     #[tokio::test]
     async fn a_long_list_is_sent_in_parts_that_read_as_the_whole() {
         let list = conversation(2_000);
-        let (length, body) = respond(&list).await;
-        assert_eq!(length, None, "sent as it is written, without a length");
-        assert_eq!(body, expected(&list));
+        let (listed, tree) = both(&list);
+        for (length, body) in [respond(listed).await, respond(tree).await] {
+            assert_eq!(length, None, "sent as it is written, without a length");
+            assert_eq!(body, expected(&list));
+        }
 
         // About a part's size each, the last one shorter.
         let mut parts = NodeParts {
             pending: String::from("{\"messages\":["),
-            nodes: views::nodes(list.clone()),
+            nodes: Arc::new(Tree::new(list)),
             next: 0,
             ended: false,
             limit: PART_BYTES,

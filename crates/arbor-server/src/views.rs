@@ -3,12 +3,14 @@
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use arbor_core::Cost;
 use arbor_core::Event;
 use arbor_core::Node;
 use arbor_core::ids::Rfc3339;
 use arbor_core::json::Verbatim;
+use arbor_core::tree::{ChildPlaces, Tree};
 use arbor_store::{ApiCall, Conversation, Turn};
 use foldhash::fast::RandomState;
 use serde::Serialize;
@@ -115,7 +117,7 @@ impl NodeView<'_> {
         out.push_str(",\"created_at\":");
         write(out, &Rfc3339(node.created_at))?;
         out.push_str(",\"children\":[");
-        for (index, &place) in self.children.places.iter().enumerate() {
+        for (index, place) in self.children.places.clone().enumerate() {
             if index > 0 {
                 out.push(',');
             }
@@ -129,7 +131,7 @@ impl NodeView<'_> {
 /// A node's children's ids, by their places in a list of nodes.
 struct Children<'a> {
     list: &'a dyn Ids,
-    places: &'a [usize],
+    places: Places<'a>,
 }
 
 /// A list of nodes' ids by place.
@@ -143,10 +145,63 @@ impl<N: Borrow<Node>> Ids for Vec<N> {
     }
 }
 
-/// Tree nodes with their children's ids, in the order given: shown as a
-/// list of [`NodeView`]s. It owns its nodes (shared ones are `Arc`s) so
-/// that a long list can be written a part at a time as the response body
-/// is sent ([`crate::extract::NodesJson`]).
+impl Ids for Tree {
+    fn id(&self, place: usize) -> &str {
+        &self.at(place).id
+    }
+}
+
+/// A node's children's places: found for a list ([`nodes`]), or the
+/// tree's own links.
+#[derive(Clone)]
+enum Places<'a> {
+    Listed(std::slice::Iter<'a, usize>),
+    Linked(ChildPlaces<'a>),
+}
+
+impl Iterator for Places<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        match self {
+            Places::Listed(places) => places.next().copied(),
+            Places::Linked(places) => places.next(),
+        }
+    }
+}
+
+/// Nodes with their children's ids, shown as a list of [`NodeView`]s. A
+/// list owns its nodes (shared ones are `Arc`s) so that a long one can be
+/// written a part at a time as the response body is sent
+/// ([`crate::extract::NodesJson`]).
+pub trait NodeList: Send + 'static {
+    /// How many nodes the list has.
+    fn count(&self) -> usize;
+
+    /// The node at `place` with its children.
+    fn view(&self, place: usize) -> NodeView<'_>;
+
+    /// About how many bytes of JSON the views are, counted until they pass
+    /// `limit`: their text and ids, and what a node's other fields take (a
+    /// little more than a plain message's). A node's parts and tool calls
+    /// are not counted. A long list is known to be long after its first
+    /// few hundred nodes.
+    fn bytes_up_to(&self, limit: usize) -> usize {
+        let mut bytes = 2;
+        for place in 0..self.count() {
+            let NodeView { node, children } = self.view(place);
+            let content = node.message.content.as_ref().map_or(0, String::len);
+            bytes += NODE_FIELDS_BYTES + content + node.id.len() + node.conversation_id.len();
+            bytes += children.places.map(|child| children.list.id(child).len() + 3).sum::<usize>();
+            if bytes > limit {
+                break;
+            }
+        }
+        bytes
+    }
+}
+
+/// A list of nodes with their children found among them ([`nodes`]).
 pub struct NodeViews<N> {
     nodes: Vec<N>,
     /// Every node's children's places, grouped by parent in the nodes'
@@ -157,33 +212,37 @@ pub struct NodeViews<N> {
     starts: Vec<usize>,
 }
 
-impl<N: Borrow<Node>> NodeViews<N> {
-    pub(crate) fn len(&self) -> usize {
+impl<N: Borrow<Node> + Send + 'static> NodeList for NodeViews<N> {
+    fn count(&self) -> usize {
         self.nodes.len()
     }
 
-    /// The node at `place` with its children.
-    pub fn view(&self, place: usize) -> NodeView<'_> {
+    fn view(&self, place: usize) -> NodeView<'_> {
         NodeView {
             node: self.nodes[place].borrow(),
             children: Children {
                 list: &self.nodes,
-                places: &self.children[self.starts[place]..self.starts[place + 1]],
+                places: Places::Listed(self.children[self.starts[place]..self.starts[place + 1]].iter()),
             },
         }
     }
+}
 
-    /// About how many bytes of JSON the views are: their text and ids, and
-    /// what a node's other fields take (a little more than a plain
-    /// message's). A node's parts and tool calls are not counted.
-    pub fn bytes(&self) -> usize {
-        let node = |node: &N| {
-            let node = node.borrow();
-            let content = node.message.content.as_ref().map_or(0, String::len);
-            NODE_FIELDS_BYTES + content + node.id.len() + node.conversation_id.len()
-        };
-        let children: usize = self.children.iter().map(|&place| self.nodes.id(place).len() + 3).sum();
-        self.nodes.iter().map(node).sum::<usize>() + children + 2
+/// A conversation's whole tree, in creation order, with each node's
+/// children as the tree links them: nothing is found or copied before the
+/// first node is written (a busy conversation's tree is the hub's, held
+/// while the response is sent).
+impl NodeList for Arc<Tree> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
+    fn view(&self, place: usize) -> NodeView<'_> {
+        let tree: &Tree = self;
+        NodeView {
+            node: tree.at(place),
+            children: Children { list: tree, places: Places::Linked(tree.child_places(place)) },
+        }
     }
 }
 
@@ -192,7 +251,7 @@ impl<N: Borrow<Node>> NodeViews<N> {
 /// model, provider and turn id (a user's message and its reply).
 const NODE_FIELDS_BYTES: usize = 300;
 
-impl<N: Borrow<Node>> Serialize for NodeViews<N> {
+impl<N: Borrow<Node> + Send + 'static> Serialize for NodeViews<N> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_seq((0..self.nodes.len()).map(|place| self.view(place)))
     }
@@ -253,7 +312,7 @@ static NO_NODES: Vec<Node> = Vec::new();
 
 /// A node nothing hangs under yet (a reply just written).
 pub fn leaf(node: &Node) -> NodeView<'_> {
-    NodeView { node, children: Children { list: &NO_NODES, places: &[] } }
+    NodeView { node, children: Children { list: &NO_NODES, places: Places::Listed([].iter()) } }
 }
 
 #[derive(Serialize)]
@@ -487,10 +546,16 @@ mod tests {
         for count in [1, 2, 40, 400] {
             let views = nodes(list[..count].to_vec());
             let written = arbor_core::json::to_vec(&views).expect("serializes").len();
-            let estimate = views.bytes();
+            let estimate = views.bytes_up_to(usize::MAX);
             assert!(estimate >= written, "{count}: {estimate} for {written} bytes");
             assert!(count < 40 || estimate <= written + written / 10, "{count}: {estimate} for {written} bytes");
+            let tree = Arc::new(Tree::new(list[..count].to_vec()));
+            assert_eq!(tree.bytes_up_to(usize::MAX), estimate, "{count}: the tree's nodes, the same estimate");
         }
+        // Counted only until past the limit.
+        let views = nodes(list.clone());
+        let (all, first) = (views.bytes_up_to(usize::MAX), views.bytes_up_to(2_000));
+        assert!(first > 2_000 && first < 2_000 + 1_000 && all > 20 * first, "{first} of {all}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `/v1/conversations`: create, list (newest first, paginated), read with the
 //! whole tree, change, delete.
 
-use arbor_engine::{ConversationTree, NewConversation};
+use arbor_engine::{ConversationPath, ConversationTree, NewConversation};
 use arbor_store::{ConversationCursor, ConversationUpdate};
 use axum::Router;
 use axum::extract::{Path, State};
@@ -93,14 +93,17 @@ async fn read(
     Path(id): Path<String>,
     Query(query): Query<ReadQuery>,
 ) -> ApiResult<impl IntoResponse> {
-    let tree = match query.path {
-        Some(1) => state.engine.conversation_path(&user, &id).await?,
-        Some(0) | None => state.engine.conversation_tree(&user, &id).await?,
+    Ok(match query.path {
+        Some(1) => {
+            let ConversationPath { conversation, messages } = state.engine.conversation_path(&user, &id).await?;
+            NodesJson { fields: views::conversation(&conversation), nodes: views::nodes(messages) }.into_response()
+        }
+        Some(0) | None => {
+            let ConversationTree { conversation, tree } = state.engine.conversation_tree(&user, &id).await?;
+            NodesJson { fields: views::conversation(&conversation), nodes: tree }.into_response()
+        }
         Some(other) => return Err(ApiError::bad_request(format!("path={other} is not 0 or 1"))),
-    };
-    let ConversationTree { conversation, messages } = tree;
-    let fields = views::conversation(&conversation);
-    Ok(NodesJson { fields, nodes: views::nodes(messages) }.into_response())
+    })
 }
 
 #[derive(Deserialize)]

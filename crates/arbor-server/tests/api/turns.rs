@@ -468,8 +468,8 @@ async fn a_turn_still_running_after_the_grace_period_is_interrupted_and_kept() {
     let turn = app.engine.store().turn(&conversation, &turn_id).await.expect("read").expect("turn");
     assert_eq!(turn.status.as_str(), "interrupted");
     let tree = app.engine.conversation_tree(&user, &conversation).await.expect("tree");
-    assert_eq!(tree.messages.len(), 2);
-    assert_eq!(tree.messages[1].status.as_str(), "interrupted", "the partial answer is kept");
+    assert_eq!(tree.tree.len(), 2);
+    assert_eq!(tree.tree.at(1).status.as_str(), "interrupted", "the partial answer is kept");
     // New turns are refused while stopping.
     let refused = app.post(&key, &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "x"})).await;
     assert_eq!(refused.status, 503);
