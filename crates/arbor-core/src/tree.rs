@@ -66,14 +66,16 @@ impl Tree {
         let position = nodes.len();
         // A conversation is far shorter than u32::MAX nodes; a longer tree
         // would only leave the nodes past it out of their parents' children.
+        let mut own = Links::default();
         if let (Some(parent), Ok(child)) = (parent, u32::try_from(position)) {
             match links[parent].last_child {
                 Some(last) => links[last as usize].next_sibling = Some(child),
                 None => links[parent].first_child = Some(child),
             }
             links[parent].last_child = Some(child);
+            own.parent = u32::try_from(parent).ok();
         }
-        links.push(Links::default());
+        links.push(own);
         let hash = hasher.hash_one(node.id.as_str());
         let entry =
             by_id.entry(hash, |&known| nodes[known].id == node.id, |&known| hasher.hash_one(nodes[known].id.as_str()));
@@ -95,12 +97,7 @@ impl Tree {
     }
 
     pub fn get(&self, id: &str) -> Option<&Node> {
-        self.shared(id).map(|node| &**node)
-    }
-
-    /// The node as the tree holds it, to share it.
-    fn shared(&self, id: &str) -> Option<&Arc<Node>> {
-        self.place(id).map(|position| &self.nodes[position])
+        self.place(id).map(|position| &*self.nodes[position])
     }
 
     /// Where the node is in [`Tree::nodes`]'s order.
@@ -139,29 +136,29 @@ impl Tree {
     }
 
     /// The path from the root to `leaf` (inclusive), oldest first. Empty when
-    /// `leaf` is unknown. A parent cycle (which the store never writes) stops
-    /// the walk instead of looping.
+    /// `leaf` is unknown. It follows the links made as each node was
+    /// pushed, which always lead to an earlier node, so it cannot loop
+    /// (a node's parent is the node of that id when it was pushed).
     ///
     /// The nodes come as the tree shares them, so that a model call's
     /// request can share them too ([`crate::message::SharedMessage`]).
     pub fn path_to(&self, leaf: &str) -> Vec<&Arc<Node>> {
         let mut path = Vec::new();
-        let mut current = self.shared(leaf);
-        while let Some(node) = current {
-            if path.len() > self.nodes.len() {
-                break;
-            }
-            path.push(node);
-            current = node.parent_id.as_deref().and_then(|parent| self.shared(parent));
+        let mut current = self.place(leaf);
+        while let Some(place) = current {
+            path.push(&self.nodes[place]);
+            current = self.links[place].parent.map(|parent| parent as usize);
         }
         path.reverse();
         path
     }
 }
 
-/// A node's links to its children, by position in the tree's nodes.
+/// A node's links to its parent and children, by position in the tree's
+/// nodes.
 #[derive(Debug, Clone, Copy, Default)]
 struct Links {
+    parent: Option<u32>,
     first_child: Option<u32>,
     last_child: Option<u32>,
     /// The parent's next child after this one.
@@ -359,6 +356,17 @@ mod tests {
                 let by_place: Vec<&str> = tree.child_places(place).map(|child| tree.at(child).id.as_str()).collect();
                 assert_eq!(by_place, expected);
                 assert_eq!(tree.place(&node.id), Some(place));
+                // The path, walked by id.
+                let mut expected = vec![node.id.as_str()];
+                while let Some(parent) = tree.get(expected[expected.len() - 1]).and_then(|n| n.parent_id.as_deref()) {
+                    if tree.get(parent).is_none() {
+                        break;
+                    }
+                    expected.push(parent);
+                }
+                expected.reverse();
+                let path: Vec<&str> = tree.path_to(&node.id).iter().map(|found| found.id.as_str()).collect();
+                assert_eq!(path, expected);
             }
             assert!(tree.children("missing").is_empty());
             let branching = nodes.iter().filter(|node| tree.children(&node.id).len() > 1).count();
@@ -393,6 +401,8 @@ mod tests {
         let mut repeated = Tree::new(vec![node("a", None), node("b", Some("a"))]);
         repeated.push(node("a", Some("b")));
         assert_eq!(repeated.get("a").and_then(|found| found.parent_id.as_deref()), Some("b"));
+        let path: Vec<_> = repeated.path_to("a").iter().map(|found| found.parent_id.clone()).collect();
+        assert_eq!(path, [None, Some("a".into()), Some("b".into())], "the older a, b, the newer a: no loop");
     }
 
     fn view(messages: &[(Option<&str>, &str)]) -> Vec<ViewMessage> {

@@ -151,12 +151,13 @@ impl Ids for Tree {
     }
 }
 
-/// A node's children's places: found for a list ([`nodes`]), or the
-/// tree's own links.
+/// A node's children's places: found for a list ([`nodes`]), the tree's
+/// own links, or a path's next node.
 #[derive(Clone)]
 enum Places<'a> {
     Listed(std::slice::Iter<'a, usize>),
     Linked(ChildPlaces<'a>),
+    Next(std::option::IntoIter<usize>),
 }
 
 impl Iterator for Places<'_> {
@@ -166,6 +167,7 @@ impl Iterator for Places<'_> {
         match self {
             Places::Listed(places) => places.next().copied(),
             Places::Linked(places) => places.next(),
+            Places::Next(place) => place.next(),
         }
     }
 }
@@ -225,6 +227,26 @@ impl<N: Borrow<Node> + Send + 'static> NodeList for NodeViews<N> {
                 places: Places::Listed(self.children[self.starts[place]..self.starts[place + 1]].iter()),
             },
         }
+    }
+}
+
+/// A path from the root (a conversation's active path, as the engine
+/// walks it): each node's one child in the list is the node after it, so
+/// nothing is looked up before the first node is written.
+pub struct PathViews(Vec<Arc<Node>>);
+
+pub fn path(nodes: Vec<Arc<Node>>) -> PathViews {
+    PathViews(nodes)
+}
+
+impl NodeList for PathViews {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+
+    fn view(&self, place: usize) -> NodeView<'_> {
+        let next = (place + 1 < self.0.len()).then_some(place + 1);
+        NodeView { node: &self.0[place], children: Children { list: &self.0, places: Places::Next(next.into_iter()) } }
     }
 }
 

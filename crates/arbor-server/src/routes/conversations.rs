@@ -96,7 +96,7 @@ async fn read(
     Ok(match query.path {
         Some(1) => {
             let ConversationPath { conversation, messages } = state.engine.conversation_path(&user, &id).await?;
-            NodesJson { fields: views::conversation(&conversation), nodes: views::nodes(messages) }.into_response()
+            NodesJson { fields: views::conversation(&conversation), nodes: views::path(messages) }.into_response()
         }
         Some(0) | None => {
             let ConversationTree { conversation, tree } = state.engine.conversation_tree(&user, &id).await?;

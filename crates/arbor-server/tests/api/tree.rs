@@ -82,6 +82,8 @@ async fn editing_the_first_question_branches_under_it_and_keeps_the_old_branch()
     assert_eq!(path_ids[0], "u1");
     assert_eq!(path_ids[1], children[1]);
     assert_eq!(path["head_id"].as_str(), Some(path_ids[2].as_str()));
+    let path_children: Vec<Value> = messages(&path).iter().map(|node| node["children"].clone()).collect();
+    assert_eq!(path_children, [json!([path_ids[1]]), json!([path_ids[2]]), json!([])], "each one's child on the path");
     let refused = app.get(&key, &format!("/v1/conversations/{conversation}?path=2")).await;
     assert_eq!(refused.status, 400, "{:?}", refused.body);
 }
@@ -234,7 +236,13 @@ async fn a_long_tree_is_sent_in_parts_and_reads_whole() {
     }
 
     let path = app.get(&key, &format!("/v1/conversations/{conversation}?path=1")).await.body;
-    assert_eq!(ids(&messages(&path)), expected[..300].iter().cloned().chain(["edit".to_string()]).collect::<Vec<_>>());
+    let on_path: Vec<String> = expected[..300].iter().cloned().chain(["edit".to_string()]).collect();
+    let path = messages(&path);
+    assert_eq!(ids(&path), on_path);
+    for (index, node) in path.iter().enumerate() {
+        let child: Vec<&String> = on_path.get(index + 1).into_iter().collect();
+        assert_eq!(node["children"], json!(child), "{}: its child on the path only", on_path[index]);
+    }
 }
 
 #[tokio::test]
