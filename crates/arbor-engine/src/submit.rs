@@ -65,7 +65,8 @@ impl Submit {
 pub enum Submitted {
     /// A turn started, or was queued; its events follow.
     Turn(Box<TurnHandle>),
-    /// Messages were recorded without a turn.
+    /// Messages were recorded without a turn: a new branch, each message
+    /// the parent of the next.
     Recorded { messages: Vec<Node>, head_id: Option<String>, head_version: i64 },
     /// Nothing new: the head moved to an existing node.
     HeadMoved { head_id: String, head_version: i64 },

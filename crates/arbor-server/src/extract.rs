@@ -272,17 +272,30 @@ mod tests {
         head_version: i64,
     }
 
-    /// What the response must read as: the fields and the views as one
-    /// object, written by serde_json.
+    /// What the response must read as: the fields, and each node as
+    /// `Node` serializes it with the ids of its children in the list.
     fn expected(list: &[Node]) -> Value {
-        let mut value = json!({"head_id": "m1", "head_version": 7});
-        value["messages"] = serde_json::to_value(views::nodes(list.to_vec())).expect("views serialize");
-        value
+        let messages: Vec<Value> = list
+            .iter()
+            .map(|node| {
+                let mut value = serde_json::to_value(node).expect("serializes");
+                let children = list.iter().filter(|child| child.parent_id.as_deref() == Some(node.id.as_str()));
+                value["children"] = json!(children.map(|child| child.id.as_str()).collect::<Vec<_>>());
+                value
+            })
+            .collect();
+        json!({"head_id": "m1", "head_version": 7, "messages": messages})
     }
 
-    /// The list's views, and the tree of the same nodes.
-    fn both(list: &[Node]) -> (impl NodeList, impl NodeList) {
-        (views::nodes(list.to_vec()), Arc::new(Tree::new(list.to_vec())))
+    /// The responses for the path of `count` nodes and for their tree
+    /// with its branch: each one's length, if sent whole, what it read as,
+    /// and what it must read as.
+    async fn both(count: usize) -> [(Option<usize>, Value, Value); 2] {
+        let list = conversation(count);
+        let path = &list[..count];
+        let (path_length, path_body) = respond(views::path(path.to_vec())).await;
+        let (tree_length, tree_body) = respond(Arc::new(Tree::new(list.clone()))).await;
+        [(path_length, path_body, expected(path)), (tree_length, tree_body, expected(&list))]
     }
 
     async fn respond(nodes: impl NodeList) -> (Option<usize>, Value) {
@@ -302,28 +315,24 @@ mod tests {
     #[tokio::test]
     async fn a_short_list_is_sent_whole_with_its_length() {
         for count in [0, 1, 2, 100] {
-            let list = conversation(count);
-            let (listed, tree) = both(&list);
-            for (length, body) in [respond(listed).await, respond(tree).await] {
+            for (length, body, expected) in both(count).await {
                 assert!(length.is_some(), "{count} nodes: sent whole");
-                assert_eq!(body, expected(&list), "{count} nodes");
+                assert_eq!(body, expected, "{count} nodes");
             }
         }
     }
 
     #[tokio::test]
     async fn a_long_list_is_sent_in_parts_that_read_as_the_whole() {
-        let list = conversation(2_000);
-        let (listed, tree) = both(&list);
-        for (length, body) in [respond(listed).await, respond(tree).await] {
+        for (length, body, expected) in both(2_000).await {
             assert_eq!(length, None, "sent as it is written, without a length");
-            assert_eq!(body, expected(&list));
+            assert_eq!(body, expected);
         }
 
         // About a part's size each, the last one shorter.
         let mut parts = NodeParts {
             pending: String::from("{\"messages\":["),
-            nodes: Arc::new(Tree::new(list)),
+            nodes: Arc::new(Tree::new(conversation(2_000))),
             next: 0,
             ended: false,
             limit: PART_BYTES,
@@ -340,7 +349,7 @@ mod tests {
 
     #[tokio::test]
     async fn fields_that_are_not_an_object_are_a_server_error() {
-        let response = NodesJson { fields: [1, 2], nodes: views::nodes(conversation(3)) }.into_response();
+        let response = NodesJson { fields: [1, 2], nodes: views::path(conversation(3)) }.into_response();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
     }
 }

@@ -2,7 +2,6 @@
 //! credits (integers) with cents of a dollar derived for display.
 
 use std::borrow::Borrow;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use arbor_core::Cost;
@@ -12,7 +11,6 @@ use arbor_core::ids::Rfc3339;
 use arbor_core::json::Verbatim;
 use arbor_core::tree::{ChildPlaces, Tree};
 use arbor_store::{ApiCall, Conversation, Turn};
-use foldhash::fast::RandomState;
 use serde::Serialize;
 
 /// A conversation as the API shows it. The views are typed and borrow the
@@ -151,11 +149,10 @@ impl Ids for Tree {
     }
 }
 
-/// A node's children's places: found for a list ([`nodes`]), the tree's
-/// own links, or a path's next node.
+/// A node's children's places: the tree's own links, or a path's next
+/// node.
 #[derive(Clone)]
 enum Places<'a> {
-    Listed(std::slice::Iter<'a, usize>),
     Linked(ChildPlaces<'a>),
     Next(std::option::IntoIter<usize>),
 }
@@ -165,7 +162,6 @@ impl Iterator for Places<'_> {
 
     fn next(&mut self) -> Option<usize> {
         match self {
-            Places::Listed(places) => places.next().copied(),
             Places::Linked(places) => places.next(),
             Places::Next(place) => place.next(),
         }
@@ -203,50 +199,27 @@ pub trait NodeList: Send + 'static {
     }
 }
 
-/// A list of nodes with their children found among them ([`nodes`]).
-pub struct NodeViews<N> {
-    nodes: Vec<N>,
-    /// Every node's children's places, grouped by parent in the nodes'
-    /// order.
-    children: Vec<usize>,
-    /// Where each node's children start in `children`, and, last, where
-    /// the last node's end.
-    starts: Vec<usize>,
-}
-
-impl<N: Borrow<Node> + Send + 'static> NodeList for NodeViews<N> {
-    fn count(&self) -> usize {
-        self.nodes.len()
-    }
-
-    fn view(&self, place: usize) -> NodeView<'_> {
-        NodeView {
-            node: self.nodes[place].borrow(),
-            children: Children {
-                list: &self.nodes,
-                places: Places::Listed(self.children[self.starts[place]..self.starts[place + 1]].iter()),
-            },
-        }
-    }
-}
-
-/// A path from the root (a conversation's active path, as the engine
-/// walks it): each node's one child in the list is the node after it, so
+/// A chain of nodes, each the parent of the next: a conversation's active
+/// path from the root (as the engine walks it), or the new branch a view
+/// recorded. Each node's one child in the list is the node after it, so
 /// nothing is looked up before the first node is written.
-pub struct PathViews(Vec<Arc<Node>>);
+pub struct PathViews<N>(Vec<N>);
 
-pub fn path(nodes: Vec<Arc<Node>>) -> PathViews {
+pub fn path<N: Borrow<Node>>(nodes: Vec<N>) -> PathViews<N> {
     PathViews(nodes)
 }
 
-impl NodeList for PathViews {
+impl<N: Borrow<Node> + Send + 'static> NodeList for PathViews<N> {
     fn count(&self) -> usize {
         self.0.len()
     }
 
     fn view(&self, place: usize) -> NodeView<'_> {
         let next = (place + 1 < self.0.len()).then_some(place + 1);
-        NodeView { node: &self.0[place], children: Children { list: &self.0, places: Places::Next(next.into_iter()) } }
+        NodeView {
+            node: self.0[place].borrow(),
+            children: Children { list: &self.0, places: Places::Next(next.into_iter()) },
+        }
     }
 }
 
@@ -273,68 +246,12 @@ impl NodeList for Arc<Tree> {
 /// model, provider and turn id (a user's message and its reply).
 const NODE_FIELDS_BYTES: usize = 300;
 
-impl<N: Borrow<Node> + Send + 'static> Serialize for NodeViews<N> {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_seq((0..self.nodes.len()).map(|place| self.view(place)))
-    }
-}
-
-/// The nodes' views: each with its children among `nodes`, in the list's
-/// order.
-///
-/// A node's parent is most often the node before it (a path, a branch's
-/// run); any other is found by id in a map from id to place (foldhash,
-/// seeded at random per call; the ids are the caller's own
-/// conversation's), made the first time one is needed. The children are
-/// then grouped in one list by counting them first. A long conversation's
-/// tree is thousands of nodes, and a map of each parent's own growing list
-/// (SipHash before that) was ~8% of reading one (bench/analysis.md).
-pub fn nodes<N: Borrow<Node>>(nodes: Vec<N>) -> NodeViews<N> {
-    let parents: Vec<Option<usize>> = {
-        let mut places: Option<HashMap<&str, usize, RandomState>> = None;
-        nodes
-            .iter()
-            .enumerate()
-            .map(|(place, node)| {
-                let parent = node.borrow().parent_id.as_deref()?;
-                if place > 0 && nodes[place - 1].borrow().id == parent {
-                    return Some(place - 1);
-                }
-                let places = places.get_or_insert_with(|| {
-                    let mut places = HashMap::with_capacity_and_hasher(nodes.len(), RandomState::default());
-                    places.extend(nodes.iter().enumerate().map(|(place, node)| (node.borrow().id.as_str(), place)));
-                    places
-                });
-                places.get(parent).copied()
-            })
-            .collect()
-    };
-    // Each parent's count at the place after its own, then summed: where
-    // each one's children start.
-    let mut starts = vec![0; nodes.len() + 1];
-    for &parent in parents.iter().flatten() {
-        starts[parent + 1] += 1;
-    }
-    for place in 1..starts.len() {
-        starts[place] += starts[place - 1];
-    }
-    let mut next = starts.clone();
-    let mut children = vec![0; starts[nodes.len()]];
-    for (place, parent) in parents.iter().enumerate() {
-        if let Some(parent) = *parent {
-            children[next[parent]] = place;
-            next[parent] += 1;
-        }
-    }
-    NodeViews { nodes, children, starts }
-}
-
 /// No nodes: the list a [`leaf`]'s children are places in.
 static NO_NODES: Vec<Node> = Vec::new();
 
 /// A node nothing hangs under yet (a reply just written).
 pub fn leaf(node: &Node) -> NodeView<'_> {
-    NodeView { node, children: Children { list: &NO_NODES, places: Places::Listed([].iter()) } }
+    NodeView { node, children: Children { list: &NO_NODES, places: Places::Next(None.into_iter()) } }
 }
 
 #[derive(Serialize)]
@@ -490,7 +407,7 @@ mod tests {
             created_at: 1_764_000_000_123,
         };
         let bare = Node::new("m1", "c1", None, Message::user("hi"), 0);
-        let shown = |list: &[Node]| serde_json::to_value(nodes(list.to_vec())).expect("views serialize");
+        let shown = |list: &[Node]| serde_json::from_str::<Value>(&text(&path(list.to_vec()))).expect("JSON");
         assert_eq!(shown(std::slice::from_ref(&full)), json!([flattened(&full, &[])]));
         assert_eq!(
             shown(&[bare.clone(), full.clone()]),
@@ -526,7 +443,7 @@ mod tests {
             text + ",\"children\":" + &serde_json::to_string(children).expect("serializes") + "}"
         };
         let expected = [derived(&bare, &["m2"]), derived(&full, &[odd.id.as_str()]), derived(&odd, &[])];
-        let views = nodes(vec![bare.clone(), full.clone(), odd.clone()]);
+        let views = path(vec![bare.clone(), full.clone(), odd.clone()]);
         for (place, expected) in expected.iter().enumerate() {
             let view = views.view(place);
             let mut written = String::new();
@@ -566,8 +483,8 @@ mod tests {
             list.push(node);
         }
         for count in [1, 2, 40, 400] {
-            let views = nodes(list[..count].to_vec());
-            let written = arbor_core::json::to_vec(&views).expect("serializes").len();
+            let views = path(list[..count].to_vec());
+            let written = text(&views).len();
             let estimate = views.bytes_up_to(usize::MAX);
             assert!(estimate >= written, "{count}: {estimate} for {written} bytes");
             assert!(count < 40 || estimate <= written + written / 10, "{count}: {estimate} for {written} bytes");
@@ -575,37 +492,21 @@ mod tests {
             assert_eq!(tree.bytes_up_to(usize::MAX), estimate, "{count}: the tree's nodes, the same estimate");
         }
         // Counted only until past the limit.
-        let views = nodes(list.clone());
+        let views = path(list.clone());
         let (all, first) = (views.bytes_up_to(usize::MAX), views.bytes_up_to(2_000));
         assert!(first > 2_000 && first < 2_000 + 1_000 && all > 20 * first, "{first} of {all}");
     }
 
-    #[test]
-    fn children_are_listed_in_the_lists_order_whatever_order_their_parents_come_in() {
-        let node = |id: &str, parent: Option<&str>| Node::new(id, "c1", parent.map(Into::into), Message::user(id), 0);
-        // d before its parent b; b and c both under a; e's parent is not
-        // in the list (a path shown alone, say).
-        let list = [
-            node("d", Some("b")),
-            node("a", None),
-            node("b", Some("a")),
-            node("c", Some("a")),
-            node("f", Some("b")),
-            node("e", Some("missing")),
-        ];
-        let views = serde_json::to_value(nodes(list.to_vec())).expect("views serialize");
-        let shown: Vec<(&str, Vec<&str>)> = views
-            .as_array()
-            .expect("a list")
-            .iter()
-            .map(|view| {
-                let children = view["children"].as_array().expect("children").iter();
-                (view["id"].as_str().expect("id"), children.map(|child| child.as_str().expect("id")).collect())
-            })
-            .collect();
-        assert_eq!(
-            shown,
-            [("d", vec![]), ("a", vec!["b", "c"]), ("b", vec!["d", "f"]), ("c", vec![]), ("f", vec![]), ("e", vec![])]
-        );
+    /// The list's views as a response lists them.
+    fn text(list: &impl NodeList) -> String {
+        let mut out = String::from("[");
+        for place in 0..list.count() {
+            if place > 0 {
+                out.push(',');
+            }
+            list.view(place).write(&mut out).expect("written");
+        }
+        out.push(']');
+        out
     }
 }

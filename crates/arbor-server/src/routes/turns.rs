@@ -111,7 +111,7 @@ async fn submit(
                 head_id: Option<String>,
                 head_version: i64,
             }
-            let nodes = views::nodes(messages);
+            let nodes = views::path(messages);
             Ok((StatusCode::CREATED, NodesJson { fields: Head { head_id, head_version }, nodes }).into_response())
         }
         Submitted::HeadMoved { head_id, head_version } => {
