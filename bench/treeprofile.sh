@@ -31,6 +31,6 @@ sleep 2
 dump=$(ls -t "$WORK"/callgrind.out.* | head -n1)
 echo "# callgrind: S5's shape (${args[*]}), $(basename "$ARBOR_BIN")"
 callgrind_annotate --inclusive=yes --threshold=100 "$dump" 2>/dev/null | grep -E \
-  'PROGRAM TOTALS|NodeView>::serialize|NodeViews as serde_core::ser::Serialize>::serialize|Provider>::stream::\{\{closure\}\} |FromRequest<S>>::from_request::\{\{closure\}\} |TrackedSeed<X> as serde_core::de::DeserializeSeed>::deserialize \[|TurnTask::drive::\{\{closure\}\} |Node as core::clone::Clone|Message as core::clone::Clone|mi_malloc_aligned|mi_free \[' \
+  'PROGRAM TOTALS|NodeParts<L>::part|views::NodeView::write|tree::Tree::path_to|Provider>::stream::\{\{closure\}\} |FromRequest<S>>::from_request::\{\{closure\}\} |TrackedSeed<X> as serde_core::de::DeserializeSeed>::deserialize \[|TurnTask::drive::\{\{closure\}\} |Node as core::clone::Clone|Message as core::clone::Clone|mi_malloc_aligned|mi_free \[' \
   | cut -c1-170 || true
 echo "raw: $dump"

@@ -26,9 +26,9 @@ pub struct Tree {
     nodes: Vec<Arc<Node>>,
     /// Positions in `nodes`, found by the hash of the node's id.
     by_id: HashTable<usize>,
-    /// Each node's children, by position, beside `nodes`: a reader of the
-    /// whole tree lists every node's children without a pass over all of
-    /// them first.
+    /// Each node's parent and children, by position, beside `nodes`: a
+    /// reader of the whole tree lists every node's children without a pass
+    /// over all of them first, and a path to the root hashes no id.
     links: Vec<Links>,
     /// foldhash, seeded at random per tree: a path from the head to the
     /// root hashes each id on it (~20 a JSON turn of the benchmark's
@@ -65,7 +65,8 @@ impl Tree {
         let Tree { nodes, by_id, links, hasher, bytes } = self;
         let position = nodes.len();
         // A conversation is far shorter than u32::MAX nodes; a longer tree
-        // would only leave the nodes past it out of their parents' children.
+        // would only leave the nodes past it unlinked (out of their
+        // parents' children, each the root of its path).
         let mut own = Links::default();
         if let (Some(parent), Ok(child)) = (parent, u32::try_from(position)) {
             match links[parent].last_child {
