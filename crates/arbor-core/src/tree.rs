@@ -9,7 +9,7 @@ use foldhash::fast::RandomState;
 use hashbrown::hash_table::{Entry, HashTable};
 use serde::{Deserialize, Serialize};
 
-use crate::message::{Message, Node};
+use crate::message::{Message, Node, Part, Role, ToolCall, ToolStatus};
 
 /// What a node costs the tree beyond its own size: the `Arc`'s two counts,
 /// its slot in `nodes`, its entry in `by_id` and its links.
@@ -183,8 +183,10 @@ impl Iterator for ChildPlaces<'_> {
     }
 }
 
-/// One message of a client's view of the conversation path.
+/// One message of a client's view of the conversation path: a message
+/// with its id beside its fields.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "ViewMessageFields")]
 pub struct ViewMessage {
     /// The message's id: a known id matches a node, a new one names the node
     /// to create, none lets the engine choose.
@@ -192,6 +194,37 @@ pub struct ViewMessage {
     pub id: Option<String>,
     #[serde(flatten)]
     pub message: Message,
+}
+
+/// A [`ViewMessage`] as it is read: the id and [`Message`]'s fields, read
+/// in one pass. Read through `#[serde(flatten)]`, every field of every
+/// message (a client that sends its whole history sends thousands) was
+/// first copied into serde's buffer of any value and then read again from
+/// it. A test holds this to `Message`'s own reading, so a field added to
+/// `Message` is added here too.
+#[derive(Deserialize)]
+struct ViewMessageFields {
+    #[serde(default)]
+    id: Option<String>,
+    role: Role,
+    content: Option<String>,
+    #[serde(default)]
+    parts: Vec<Part>,
+    #[serde(default)]
+    tool_calls: Vec<ToolCall>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    tool_name: Option<String>,
+    #[serde(default)]
+    tool_status: Option<ToolStatus>,
+}
+
+impl From<ViewMessageFields> for ViewMessage {
+    fn from(fields: ViewMessageFields) -> ViewMessage {
+        let ViewMessageFields { id, role, content, parts, tool_calls, tool_call_id, tool_name, tool_status } = fields;
+        ViewMessage { id, message: Message { role, content, parts, tool_calls, tool_call_id, tool_name, tool_status } }
+    }
 }
 
 /// What merging a view into the tree does.
@@ -372,6 +405,62 @@ mod tests {
             assert!(tree.children("missing").is_empty());
             let branching = nodes.iter().filter(|node| tree.children(&node.id).len() > 1).count();
             assert!(branching > 40, "{branching} nodes with more than one child");
+        }
+    }
+
+    #[test]
+    fn a_view_message_reads_as_its_id_and_the_message_read_alone() {
+        use crate::message::ProviderOpaque;
+        // Every field set (a literal, so a field added to Message is
+        // added here), then a bare one, text that needs unescaping, an
+        // unknown field, a null and a missing content.
+        let full = Message {
+            role: Role::Assistant,
+            content: Some("calling".into()),
+            parts: vec![
+                Part::Image { media_id: Some("m1".into()), url: None, data: None, mime_type: Some("image/png".into()) },
+                Part::Thinking {
+                    text: "hmm".into(),
+                    signature: Some(ProviderOpaque { provider: "anthropic".into(), data: "sig".into() }),
+                },
+            ],
+            tool_calls: vec![ToolCall {
+                id: "call_1".into(),
+                name: "lookup".into(),
+                arguments: serde_json::json!({"q": [1, 2.5, -3, null, true], "deep": {"x": "y"}}),
+                signature: None,
+            }],
+            tool_call_id: Some("call_0".into()),
+            tool_name: Some("search".into()),
+            tool_status: Some(ToolStatus::Denied),
+        };
+        let mut with_id = serde_json::to_value(&full).expect("serializes");
+        with_id["id"] = "v1".into();
+        let samples = [
+            with_id,
+            serde_json::to_value(&full).expect("serializes"),
+            serde_json::json!({"role": "user", "content": "é \"quoted\"\n😀", "id": "v2"}),
+            serde_json::json!({"role": "user", "content": "hi", "name": "bob", "extra": {"a": [1]}}),
+            serde_json::json!({"role": "assistant", "content": null}),
+            serde_json::json!({"role": "assistant"}),
+        ];
+        for sample in samples {
+            let read: ViewMessage = serde_json::from_value(sample.clone()).expect("a view message");
+            let id = sample.get("id").and_then(|id| id.as_str()).map(str::to_string);
+            let alone: Message = serde_json::from_value(sample.clone()).expect("a message");
+            assert_eq!(read, ViewMessage { id, message: alone }, "{sample}");
+            let text = sample.to_string();
+            assert_eq!(serde_json::from_str::<ViewMessage>(&text).expect("from text"), read, "{text}");
+        }
+        // What Message refuses, a view message refuses.
+        for bad in [
+            serde_json::json!({"content": "no role"}),
+            serde_json::json!({"role": "wizard", "content": "x"}),
+            serde_json::json!({"role": "user", "content": 5}),
+            serde_json::json!({"role": "user", "tool_status": "maybe"}),
+            serde_json::json!({"role": "user", "id": 7}),
+        ] {
+            assert!(serde_json::from_value::<ViewMessage>(bad.clone()).is_err(), "{bad}");
         }
     }
 
