@@ -112,6 +112,17 @@ fn civil_from_days(days: i64) -> (i64, i64, i64) {
     (year_of_era + era * 400 + i64::from(month <= 2), month, day)
 }
 
+impl Rfc3339 {
+    /// Appends the text as a JSON string, as `json::write` writes it: its
+    /// characters never need escaping, so it goes in as it is (a long
+    /// tree's read writes one a node).
+    pub fn push_json(self, out: &mut String) {
+        out.push('"');
+        out.push_str(self.render(&mut [0; RFC3339_MAX]));
+        out.push('"');
+    }
+}
+
 impl std::fmt::Display for Rfc3339 {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter.write_str(self.render(&mut [0; RFC3339_MAX]))
@@ -168,6 +179,12 @@ mod tests {
         assert_eq!(rfc3339(RFC3339_RANGE.start() - 1), "");
         assert_eq!(rfc3339(RFC3339_RANGE.end() + 1), "");
         assert_eq!(serde_json::to_string(&Rfc3339(0)).unwrap(), r#""1970-01-01T00:00:00Z""#);
+        let edges = [*RFC3339_RANGE.start(), *RFC3339_RANGE.end(), RFC3339_RANGE.end() + 1];
+        for millis in [0, -1, 1_700_000_000_123, 1_700_000_000_120, 1_700_000_000_100].into_iter().chain(edges) {
+            let mut pushed = String::from("x");
+            Rfc3339(millis).push_json(&mut pushed);
+            assert_eq!(pushed, format!("x{}", crate::json::to_string(&Rfc3339(millis)).unwrap()), "{millis}");
+        }
     }
 
     /// The time crate's text for a timestamp (empty where it has none).

@@ -113,7 +113,7 @@ impl NodeView<'_> {
         out.push_str(",\"status\":");
         write(out, &node.status)?;
         out.push_str(",\"created_at\":");
-        write(out, &Rfc3339(node.created_at))?;
+        Rfc3339(node.created_at).push_json(out);
         out.push_str(",\"children\":[");
         for (index, place) in self.children.places.clone().enumerate() {
             if index > 0 {
