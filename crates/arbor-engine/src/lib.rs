@@ -520,11 +520,7 @@ impl Engine {
 
     pub async fn conversation_tree(&self, user: &User, conversation_id: &str) -> EngineResult<ConversationTree> {
         let conversation = self.conversation(user, conversation_id).await?;
-        // A busy conversation's tree is in memory; others come from the store.
-        let tree = match self.hub_if_loaded(&conversation.id) {
-            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?,
-            None => Arc::new(Tree::new(self.inner.store.messages(&conversation.id).await?)),
-        };
+        let tree = self.tree_of(&conversation).await?;
         Ok(ConversationTree { conversation, tree })
     }
 
@@ -537,12 +533,18 @@ impl Engine {
         let Some(head) = conversation.head_id.as_deref() else {
             return Ok(ConversationPath { conversation, messages: Vec::new() });
         };
-        let tree = match self.hub_if_loaded(&conversation.id) {
-            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?,
-            None => Arc::new(Tree::new(self.inner.store.messages(&conversation.id).await?)),
-        };
+        let tree = self.tree_of(&conversation).await?;
         let messages = tree.path_to(head).into_iter().cloned().collect();
         Ok(ConversationPath { conversation, messages })
+    }
+
+    /// The conversation's tree at its head version: a busy conversation's
+    /// is in memory (the hub's), others are read from the store.
+    async fn tree_of(&self, conversation: &Conversation) -> EngineResult<Arc<Tree>> {
+        Ok(match self.hub_if_loaded(&conversation.id) {
+            Some(hub) => self.inner.tree(&hub, &conversation.id, conversation.head_version).await?,
+            None => Arc::new(Tree::new(self.inner.store.messages(&conversation.id).await?)),
+        })
     }
 
     pub async fn list_conversations(
