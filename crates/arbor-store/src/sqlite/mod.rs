@@ -506,6 +506,30 @@ const CHECKPOINT_WINDOW: Duration = Duration::from_millis(100);
 /// CPU a turn, and 10 ms cost ~30 µs more CPU a turn at 1,000/s
 /// (bench/analysis.md).
 const CHECKPOINT_POLL: Duration = Duration::from_millis(20);
+/// How often it looks while the writer is behind ([`writer_behind`]): the
+/// core is then short, and the CPU a look saves matters more than how long
+/// one copy holds the turns back. A copy then takes more turns' rewrites
+/// of the same pages (the b-trees' right edges) at once: at 3,000 turns/s
+/// the checkpointer copied 2.1–2.2 pages a turn against 2.4–3.1 at 20 ms,
+/// for 16–17 µs of its CPU a turn against 18–28; at 3,500/s all of
+/// Arbor's threads took 247–252 µs a turn against 253–257 (three
+/// alternated pairs each, bench/analysis.md). Copies of more pages hold
+/// the turns back longer, so below that load it stays at
+/// [`CHECKPOINT_POLL`].
+const CHECKPOINT_POLL_BEHIND: Duration = Duration::from_millis(50);
+/// Durable commits that gathered (held enough waited-on writes to wait
+/// for more, see `worker::GATHER`) per [`CHECKPOINT_POLL`] from which the
+/// writer counts as behind. Measured between looks: 0–0.02 at 1,000
+/// turns/s, 0.6–1.5 at 2,000/s, 9.5–13 at 3,000/s.
+const BEHIND_FROM: u32 = 4;
+
+/// Whether the writer is behind, from the commits that gathered in the
+/// time `since` the last look: [`BEHIND_FROM`] or more per
+/// [`CHECKPOINT_POLL`].
+fn writer_behind(gathered: u32, since: Duration) -> bool {
+    gathered > 0 && u128::from(gathered) * CHECKPOINT_POLL.as_micros() >= u128::from(BEHIND_FROM) * since.as_micros()
+}
+
 /// After this long without a commit, whatever is left is copied too, so an
 /// idle database's file is up to date.
 const CHECKPOINT_IDLE: Duration = Duration::from_secs(2);
@@ -526,7 +550,8 @@ const CHECKPOINT_IDLE: Duration = Duration::from_secs(2);
 /// nothing durable that was not already: the WAL holds every commit until
 /// it starts over.
 ///
-/// While commits come it looks every [`CHECKPOINT_POLL`]; once a look finds
+/// While commits come it looks every [`CHECKPOINT_POLL`] (every
+/// [`CHECKPOINT_POLL_BEHIND`] while the writer is behind); once a look finds
 /// nothing new it sleeps until the writer changes the WAL, or until what
 /// is left is due after [`CHECKPOINT_IDLE`]. An idle store's thread so
 /// wakes not at all, where it used to wake 100 times a second.
@@ -536,11 +561,23 @@ fn checkpoint_wal(connection: &Connection, database: &std::fs::File, wal: &WalLe
     // whether the last window's writes were fast.
     let (mut copied, mut seen, mut changed) = (0, 0, Instant::now());
     let (mut window, mut written, mut fast) = (Instant::now(), 0, false);
+    // The writer's count of gathered commits when the last pause began,
+    // and when that was.
+    let (mut gathered, mut counted) = (wal.gathered(), Instant::now());
     let mut pause = Pause::UntilWritten(None);
     loop {
         match pause {
-            Pause::Poll => std::thread::sleep(CHECKPOINT_POLL),
-            Pause::UntilWritten(timeout) => wal.wait_for_change(seen, timeout),
+            Pause::Poll => {
+                // Over the last pause and look.
+                let now = wal.gathered();
+                let behind = writer_behind(now.wrapping_sub(gathered), counted.elapsed());
+                (gathered, counted) = (now, Instant::now());
+                std::thread::sleep(if behind { CHECKPOINT_POLL_BEHIND } else { CHECKPOINT_POLL });
+            }
+            Pause::UntilWritten(timeout) => {
+                wal.wait_for_change(seen, timeout);
+                (gathered, counted) = (wal.gathered(), Instant::now());
+            }
         }
         if wal.is_closed() {
             break;
@@ -1573,6 +1610,23 @@ fn available_credits(connection: &Session<'_, '_>, user_id: &str) -> StoreResult
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The checkpointing thread looks less often only at the rates where
+    /// the core is short: the gathered commits between looks measured at
+    /// 2,000 turns/s (~1.5 a look) leave it at every 20 ms, those at 3,000/s
+    /// (~10 a look, ~25 a longer one) do not; and a thread that just woke
+    /// from a long sleep is not behind for the few commits that woke it.
+    #[test]
+    fn the_writer_is_behind_only_when_commits_gather_several_times_a_look() {
+        let ms = Duration::from_millis;
+        assert!(!writer_behind(0, ms(21)));
+        assert!(!writer_behind(0, Duration::ZERO));
+        assert!(!writer_behind(1, ms(21)), "2,000 turns/s");
+        assert!(!writer_behind(3, ms(51)), "2,000 turns/s, after a longer look");
+        assert!(writer_behind(10, ms(21)), "3,000 turns/s");
+        assert!(writer_behind(25, ms(52)), "3,000 turns/s, after a longer look");
+        assert!(!writer_behind(4, ms(2_000)), "after a long sleep");
+    }
 
     #[test]
     fn urls_name_a_file_or_memory() {

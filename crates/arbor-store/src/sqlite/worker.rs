@@ -287,6 +287,9 @@ struct WalShared {
     closed: AtomicBool,
     /// Checkpoints the watcher finished with the database file synced.
     passes: AtomicU32,
+    /// Durable commits that held [`GATHER_FROM`] or more writes someone
+    /// waited on: the writer is behind (see [`WalLength::gathered`]).
+    gathered: AtomicU32,
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -322,6 +325,19 @@ impl WalLength {
     /// How many times [`WalLength::note_pass`] was called.
     pub fn passes(&self) -> u32 {
         self.0.passes.load(Ordering::SeqCst)
+    }
+
+    /// The writer's durable commit held [`GATHER_FROM`] or more writes
+    /// someone waited on: it is behind, and the next one gathers.
+    fn note_gathered(&self) {
+        self.0.gathered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many durable commits so far held [`GATHER_FROM`] or more
+    /// waited-on writes: when it moved between two looks, the core is
+    /// short and the checkpointing thread looks less often (see `mod.rs`).
+    pub fn gathered(&self) -> u32 {
+        self.0.gathered.load(Ordering::Relaxed)
     }
 
     fn wake(&self) {
@@ -450,6 +466,9 @@ impl Writer {
                 lingering = Some(now + DEFERRED_WAIT);
                 if sync {
                     last_durable = Some((now, waited));
+                    if waited >= GATHER_FROM {
+                        wal_length.note_gathered();
+                    }
                 }
                 if let Some(limit) = wal_limit
                     && restart_now(WAL_PAGES.get(), limit, &mut passed_limit, wal_length.passes())
@@ -810,12 +829,13 @@ mod tests {
     /// A writer on a fresh in-memory database with one table, and a count
     /// of the commits it makes.
     fn writer() -> (Writer, Arc<AtomicUsize>) {
-        writer_committing(None)
+        let (writer, commits, _) = writer_committing(None);
+        (writer, commits)
     }
 
     /// [`writer`], syncing the commits that hold a waited-on write when
     /// `sync_full` is set, and gathering under load for the duration it holds.
-    fn writer_committing(sync_full: Option<Duration>) -> (Writer, Arc<AtomicUsize>) {
+    fn writer_committing(sync_full: Option<Duration>) -> (Writer, Arc<AtomicUsize>, WalLength) {
         let connection = Connection::open_in_memory().expect("opens");
         connection.execute_batch("CREATE TABLE t (v INTEGER)").expect("table");
         let commits = Arc::new(AtomicUsize::new(0));
@@ -826,7 +846,8 @@ mod tests {
                 false
             }))
             .expect("hook");
-        (Writer::start("test-writer", connection, None, WalLength::default(), sync_full).expect("starts"), commits)
+        let wal = WalLength::default();
+        (Writer::start("test-writer", connection, None, wal.clone(), sync_full).expect("starts"), commits, wal)
     }
 
     fn insert(value: i64) -> impl FnMut(&Session<'_, '_>) -> StoreResult<usize> + Send + 'static {
@@ -905,7 +926,7 @@ mod tests {
     async fn under_load_a_durable_commit_waits_for_company_and_a_quiet_one_does_not() {
         // A window far longer than any pause of a loaded test machine.
         let window = Duration::from_millis(400);
-        let (writer, commits) = writer_committing(Some(window));
+        let (writer, commits, wal) = writer_committing(Some(window));
         // Quiet: each write is its own commit, sent at once.
         for value in [1, 2] {
             let sent = Instant::now();
@@ -927,6 +948,7 @@ mod tests {
         }
         busy.await.expect("joins").expect("held");
         assert_eq!(commits.load(Ordering::SeqCst), 4, "the hold, then one commit for the pile");
+        assert_eq!(wal.gathered(), 1, "the pile's commit says the writer is behind");
 
         // ...so the next durable commit waits out the window after it, and a
         // write sent meanwhile goes in the same commit.
@@ -944,6 +966,7 @@ mod tests {
         writer.write(insert(102)).await.expect("stored");
         assert!(sent.elapsed() < window / 2, "held {:?} after a commit of two", sent.elapsed());
         assert_eq!(commits.load(Ordering::SeqCst), 6);
+        assert_eq!(wal.gathered(), 1, "no commit since held enough to gather");
     }
 
     #[tokio::test]
