@@ -70,11 +70,14 @@ sqlite_url() { # PATH
 
 # Writes $WORK/arbor.toml: the database at DATABASE_URL (default SQLite in
 # $WORK, see `sqlite_url`) and the model `mock-0` served by the mock on
-# port 9100.
+# port 9100, then EXTRA_TOML when set (an experiment's settings, e.g.
+# "[server]
+# idle_conversations_kept = 2048").
 arbor_toml0() { # [DATABASE_URL]
   {
     printf 'default_model = "mock-0"\n\n[storage]\ndatabase_url = "%s"\n' "${1:-$(sqlite_url "$WORK/arbor.db")}"
     mock_model_toml mock-0 mock0 9100
+    if [[ -n "${EXTRA_TOML:-}" ]]; then printf '\n%s\n' "$EXTRA_TOML"; fi
   } >"$WORK/arbor.toml"
 }
 

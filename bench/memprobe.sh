@@ -25,7 +25,6 @@ SECONDS_MEASURED=${3:-12}
 source "$ROOT/bench/common.sh"
 open_work memprobe
 start_mock0 "${MOCK_DELAY_MS:-60}"
-if [[ -n ${EXTRA_TOML:-} ]]; then printf '\n%s\n' "$EXTRA_TOML" >>"$WORK/arbor.toml"; fi
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
 taskset -c 1 "$BIN/arbor-bench" load --target arbor --base-url http://127.0.0.1:8080 --model mock-0 \

@@ -12,6 +12,9 @@
 #
 #   bench/threadstat.sh [ARBOR_BIN] [RATE]      # defaults: the release build, 500
 #
+# EXTRA_TOML is appended to Arbor's config (e.g. "[server]
+# idle_conversations_kept = 2048"; bench/common.sh).
+#
 # MOCK_DELAY_MS sets the mock's delay (default 0; 60 is S2's shape, where
 # ~RATE*0.06 turns are in flight at once).
 #

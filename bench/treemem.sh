@@ -18,7 +18,6 @@ WAIT=${4:-20}
 source "$ROOT/bench/common.sh"
 open_work treemem
 start_mock0 0
-if [[ -n ${EXTRA_TOML:-} ]]; then printf '\n%s\n' "$EXTRA_TOML" >>"$WORK/arbor.toml"; fi
 start_arbor0 "$ARBOR_BIN"
 await_arbor 100 0.2
 python3 "$ROOT/bench/treemem.py" http://127.0.0.1:8080 "$ARBOR_PID" "$CONVERSATIONS" "$MESSAGES"
