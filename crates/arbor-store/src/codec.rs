@@ -171,15 +171,18 @@ row_source!(SqliteRow<'_, '_>, SqliteRow::get);
 /// times that for a long conversation's nodes (`bench/profile.md`). The
 /// decoders read columns in the order the statements select them, so the
 /// column after the last one read is tried first, and only a miss falls
-/// back to rusqlite's search.
+/// back to rusqlite's search (the decoders below read in the column
+/// lists' order, which a test holds them to).
 pub(crate) struct SqliteRow<'a, 'r> {
     row: &'a rusqlite::Row<'r>,
     next: std::cell::Cell<usize>,
+    /// Columns found by rusqlite's search (a test counts them).
+    searches: std::cell::Cell<u32>,
 }
 
 impl<'a, 'r> SqliteRow<'a, 'r> {
     pub(crate) fn new(row: &'a rusqlite::Row<'r>) -> Self {
-        SqliteRow { row, next: std::cell::Cell::new(0) }
+        SqliteRow { row, next: std::cell::Cell::new(0), searches: std::cell::Cell::new(0) }
     }
 
     fn get<T: rusqlite::types::FromSql>(&self, column: &str) -> rusqlite::Result<T> {
@@ -188,10 +191,17 @@ impl<'a, 'r> SqliteRow<'a, 'r> {
         let index = if statement.column_name(guess).is_ok_and(|name| name == column) {
             guess
         } else {
+            self.searches.set(self.searches.get() + 1);
             statement.column_index(column)?
         };
         self.next.set(index + 1);
         self.row.get(index)
+    }
+
+    /// How many columns were not where the last one read suggested.
+    #[cfg(test)]
+    pub(crate) fn searches(&self) -> u32 {
+        self.searches.get()
     }
 }
 
@@ -230,41 +240,52 @@ decoders! {
         })
     }
 
+    // Read in `node_columns!`'s order (see `SqliteRow`).
     node_from_row(row) -> Node {
+        let conversation_id = get(row, "conversation_id")?;
+        let id = get(row, "id")?;
+        let parent_id = get(row, "parent_id")?;
         let role: String = get(row, "role")?;
+        let message = Message {
+            role: Role::parse(&role).ok_or_else(|| corrupt("role", &role))?,
+            content: get(row, "content")?,
+            parts: parse_json_list("parts", get(row, "parts")?)?,
+            tool_calls: parse_json_list("tool_calls", get(row, "tool_calls")?)?,
+            tool_call_id: get(row, "tool_call_id")?,
+            tool_name: get(row, "tool_name")?,
+            tool_status: parse_tool_status(get(row, "tool_status")?)?,
+        };
+        let (model, provider, turn_id, copied_from) =
+            (get(row, "model")?, get(row, "provider")?, get(row, "turn_id")?, get(row, "copied_from")?);
         let status: String = get(row, "status")?;
         Ok(Node {
-            id: get(row, "id")?,
-            conversation_id: get(row, "conversation_id")?,
-            parent_id: get(row, "parent_id")?,
-            message: Message {
-                role: Role::parse(&role).ok_or_else(|| corrupt("role", &role))?,
-                content: get(row, "content")?,
-                parts: parse_json_list("parts", get(row, "parts")?)?,
-                tool_calls: parse_json_list("tool_calls", get(row, "tool_calls")?)?,
-                tool_call_id: get(row, "tool_call_id")?,
-                tool_name: get(row, "tool_name")?,
-                tool_status: parse_tool_status(get(row, "tool_status")?)?,
-            },
-            model: get(row, "model")?,
-            provider: get(row, "provider")?,
-            turn_id: get(row, "turn_id")?,
-            copied_from: get(row, "copied_from")?,
+            id,
+            conversation_id,
+            parent_id,
+            message,
+            model,
+            provider,
+            turn_id,
+            copied_from,
             status: NodeStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
             created_at: get(row, "created_at")?,
         })
     }
 
+    // Read in `turn_columns!`'s order (see `SqliteRow`).
     turn_from_row(row) -> Turn {
+        let (id, conversation_id, user_id, user_message_id) =
+            (get(row, "id")?, get(row, "conversation_id")?, get(row, "user_id")?, get(row, "user_message_id")?);
         let status: String = get(row, "status")?;
+        let model = get(row, "model")?;
         let iterations: i64 = get(row, "iterations")?;
         Ok(Turn {
-            id: get(row, "id")?,
-            conversation_id: get(row, "conversation_id")?,
-            user_id: get(row, "user_id")?,
-            user_message_id: get(row, "user_message_id")?,
+            id,
+            conversation_id,
+            user_id,
+            user_message_id,
             status: TurnStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
-            model: get(row, "model")?,
+            model,
             iterations: u32::try_from(iterations).unwrap_or(0),
             usage: usage_from_row(row)?,
             cost_micro_usd: to_u64(get(row, "cost_micro_usd")?),
@@ -291,8 +312,8 @@ decoders! {
         })
     }
 
+    // Read in `api_call_columns!`'s order (see `SqliteRow`).
     api_call_from_row(row) -> ApiCall {
-        let ttft_ms: Option<i64> = get(row, "ttft_ms")?;
         Ok(ApiCall {
             id: get(row, "id")?,
             turn_id: get(row, "turn_id")?,
@@ -303,7 +324,7 @@ decoders! {
             model: get(row, "model")?,
             usage: usage_from_row(row)?,
             latency_ms: to_u64(get(row, "latency_ms")?),
-            ttft_ms: ttft_ms.map(to_u64),
+            ttft_ms: get::<Option<i64>>(row, "ttft_ms")?.map(to_u64),
             status: get(row, "status")?,
             error_code: get(row, "error_code")?,
             cost_micro_usd: to_u64(get(row, "cost_micro_usd")?),
