@@ -9,6 +9,7 @@
 //! cannot drift apart in how, say, a tool call is parsed back.
 
 use std::borrow::{Borrow, Cow};
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -96,23 +97,26 @@ impl NodeColumns {
 
 /// A database row whose columns can be read by name as the few types the
 /// schemas use. Each backend implements it for its own row type.
+///
+/// Columns are named by literals: a SQLite query's later rows recognise a
+/// column by the name its first row recorded (see [`ColumnPlaces`]).
 pub(crate) trait RowSource {
-    fn text(&self, column: &str) -> StoreResult<String>;
-    fn optional_text(&self, column: &str) -> StoreResult<Option<String>>;
-    fn integer(&self, column: &str) -> StoreResult<i64>;
-    fn optional_integer(&self, column: &str) -> StoreResult<Option<i64>>;
-    fn flag(&self, column: &str) -> StoreResult<bool>;
+    fn text(&self, column: &'static str) -> StoreResult<String>;
+    fn optional_text(&self, column: &'static str) -> StoreResult<Option<String>>;
+    fn integer(&self, column: &'static str) -> StoreResult<i64>;
+    fn optional_integer(&self, column: &'static str) -> StoreResult<Option<i64>>;
+    fn flag(&self, column: &'static str) -> StoreResult<bool>;
 }
 
 /// A type a [`RowSource`] column can be read as.
 pub(crate) trait FromColumn: Sized {
-    fn read(row: &impl RowSource, column: &str) -> StoreResult<Self>;
+    fn read(row: &impl RowSource, column: &'static str) -> StoreResult<Self>;
 }
 
 macro_rules! from_column {
     ($($type:ty => $method:ident),* $(,)?) => {
         $(impl FromColumn for $type {
-            fn read(row: &impl RowSource, column: &str) -> StoreResult<Self> {
+            fn read(row: &impl RowSource, column: &'static str) -> StoreResult<Self> {
                 row.$method(column)
             }
         })*
@@ -133,7 +137,7 @@ pub(crate) fn column_error(column: &str, error: impl std::fmt::Display) -> Store
 }
 
 /// Reads one column, naming it in the error when it fails.
-fn get<T: FromColumn>(row: &impl RowSource, column: &str) -> StoreResult<T> {
+fn get<T: FromColumn>(row: &impl RowSource, column: &'static str) -> StoreResult<T> {
     T::read(row, column)
 }
 
@@ -141,19 +145,19 @@ fn get<T: FromColumn>(row: &impl RowSource, column: &str) -> StoreResult<T> {
 macro_rules! row_source {
     ($row:ty, $get:path) => {
         impl RowSource for $row {
-            fn text(&self, column: &str) -> StoreResult<String> {
+            fn text(&self, column: &'static str) -> StoreResult<String> {
                 $get(self, column).map_err(|error| column_error(column, error))
             }
-            fn optional_text(&self, column: &str) -> StoreResult<Option<String>> {
+            fn optional_text(&self, column: &'static str) -> StoreResult<Option<String>> {
                 $get(self, column).map_err(|error| column_error(column, error))
             }
-            fn integer(&self, column: &str) -> StoreResult<i64> {
+            fn integer(&self, column: &'static str) -> StoreResult<i64> {
                 $get(self, column).map_err(|error| column_error(column, error))
             }
-            fn optional_integer(&self, column: &str) -> StoreResult<Option<i64>> {
+            fn optional_integer(&self, column: &'static str) -> StoreResult<Option<i64>> {
                 $get(self, column).map_err(|error| column_error(column, error))
             }
-            fn flag(&self, column: &str) -> StoreResult<bool> {
+            fn flag(&self, column: &'static str) -> StoreResult<bool> {
                 $get(self, column).map_err(|error| column_error(column, error))
             }
         }
@@ -173,29 +177,83 @@ row_source!(SqliteRow<'_, '_>, SqliteRow::get);
 /// column after the last one read is tried first, and only a miss falls
 /// back to rusqlite's search (the decoders below read in the column
 /// lists' order, which a test holds them to).
+///
+/// Even the guess asks SQLite for the column's name (a call, a `strlen`
+/// and a UTF-8 check, ~130 instructions): 2,000 columns for a path of 125
+/// messages. So the rows of one query share [`ColumnPlaces`]: the first
+/// row records each column it read, and the later ones take it from there.
 pub(crate) struct SqliteRow<'a, 'r> {
     row: &'a rusqlite::Row<'r>,
-    next: std::cell::Cell<usize>,
-    /// Columns found by rusqlite's search (a test counts them).
-    searches: std::cell::Cell<u32>,
+    places: Option<&'a ColumnPlaces>,
+    /// Columns read from this row so far.
+    read: Cell<usize>,
+    next: Cell<usize>,
+    /// Columns whose name was asked of SQLite, and of those, found by
+    /// rusqlite's search (tests count them).
+    named: Cell<u32>,
+    searches: Cell<u32>,
 }
 
+/// Where one query's decoder found each column it read, in the order it
+/// read them, as its first row recorded: every row of a statement has the
+/// same columns, and a decoder reads the same ones in the same order. A
+/// later row takes the n-th column read from here when its name is the one
+/// recorded (a comparison of a few bytes); any other read is found as in a
+/// first row, and recorded in its place.
+#[derive(Default)]
+pub(crate) struct ColumnPlaces(RefCell<Vec<(&'static str, usize)>>);
+
 impl<'a, 'r> SqliteRow<'a, 'r> {
+    /// A row read alone (one row, or the first of a query without places).
     pub(crate) fn new(row: &'a rusqlite::Row<'r>) -> Self {
-        SqliteRow { row, next: std::cell::Cell::new(0), searches: std::cell::Cell::new(0) }
+        SqliteRow::with_places(row, None)
     }
 
-    fn get<T: rusqlite::types::FromSql>(&self, column: &str) -> rusqlite::Result<T> {
-        let statement = self.row.as_ref();
-        let guess = self.next.get();
-        let index = if statement.column_name(guess).is_ok_and(|name| name == column) {
-            guess
-        } else {
-            self.searches.set(self.searches.get() + 1);
-            statement.column_index(column)?
+    /// A row of a query whose rows share `places`.
+    pub(crate) fn with_places(row: &'a rusqlite::Row<'r>, places: Option<&'a ColumnPlaces>) -> Self {
+        SqliteRow { row, places, read: Cell::new(0), next: Cell::new(0), named: Cell::new(0), searches: Cell::new(0) }
+    }
+
+    fn get<T: rusqlite::types::FromSql>(&self, column: &'static str) -> rusqlite::Result<T> {
+        let nth = self.read.get();
+        self.read.set(nth + 1);
+        let known = self.places.and_then(|places| places.0.borrow().get(nth).copied());
+        let index = match known {
+            Some((name, index)) if name == column => index,
+            _ => {
+                let index = self.find(column)?;
+                if let Some(places) = self.places {
+                    let mut places = places.0.borrow_mut();
+                    match nth.cmp(&places.len()) {
+                        std::cmp::Ordering::Less => places[nth] = (column, index),
+                        std::cmp::Ordering::Equal => places.push((column, index)),
+                        std::cmp::Ordering::Greater => {}
+                    }
+                }
+                index
+            }
         };
         self.next.set(index + 1);
         self.row.get(index)
+    }
+
+    /// The column's index, asked of SQLite: the one after the last read
+    /// when it has the name, else searched for.
+    fn find(&self, column: &str) -> rusqlite::Result<usize> {
+        self.named.set(self.named.get() + 1);
+        let statement = self.row.as_ref();
+        let guess = self.next.get();
+        if statement.column_name(guess).is_ok_and(|name| name == column) {
+            return Ok(guess);
+        }
+        self.searches.set(self.searches.get() + 1);
+        statement.column_index(column)
+    }
+
+    /// How many columns' names were asked of SQLite.
+    #[cfg(test)]
+    pub(crate) fn named(&self) -> u32 {
+        self.named.get()
     }
 
     /// How many columns were not where the last one read suggested.

@@ -33,7 +33,7 @@ use tokio::sync::broadcast;
 
 use self::session::Session;
 use self::worker::{PointReaders, Readers, WalLength, Writer};
-use crate::codec::{self, NodeColumns, SqliteRow, to_i64};
+use crate::codec::{self, ColumnPlaces, NodeColumns, SqliteRow, to_i64};
 use crate::*;
 
 /// How long a statement waits for another process's write lock before
@@ -933,9 +933,9 @@ fn query_all<T>(
 ) -> StoreResult<Vec<T>> {
     let mut statement = connection.cached(sql)?;
     let mut rows = statement.query(parameters)?;
-    let mut decoded = Vec::new();
+    let (mut decoded, places) = (Vec::new(), ColumnPlaces::default());
     while let Some(row) = rows.next()? {
-        decoded.push(decode(&SqliteRow::new(row))?);
+        decoded.push(decode(&SqliteRow::with_places(row, Some(&places)))?);
     }
     Ok(decoded)
 }
@@ -2241,6 +2241,38 @@ mod tests {
             .await
             .expect("reads");
         assert_eq!(found, [], "columns searched for by name, by table");
+    }
+
+    /// A query's later rows take each column from where its first row
+    /// found it, without asking SQLite for names; a read in another order
+    /// finds its columns again and still gets the right values.
+    #[test]
+    fn a_querys_later_rows_take_their_columns_from_the_first() {
+        use crate::codec::RowSource;
+        let connection = Connection::open_in_memory().expect("opens");
+        let mut statement = connection
+            .prepare("SELECT column1 AS a, column2 AS b FROM (VALUES (1, 'x'), (2, 'y'), (3, 'z'), (4, 'w'))")
+            .expect("prepares");
+        let mut rows = statement.query([]).expect("runs");
+        let places = ColumnPlaces::default();
+        macro_rules! next {
+            () => {
+                SqliteRow::with_places(rows.next().expect("steps").expect("a row"), Some(&places))
+            };
+        }
+
+        let row = next!();
+        assert_eq!((row.integer("a").expect("a"), row.text("b").expect("b")), (1, "x".to_string()));
+        assert_eq!(row.named(), 2, "the first row asks");
+        let row = next!();
+        assert_eq!((row.integer("a").expect("a"), row.text("b").expect("b")), (2, "y".to_string()));
+        assert_eq!(row.named(), 0, "a later row takes them from the first");
+        let row = next!();
+        assert_eq!((row.text("b").expect("b"), row.integer("a").expect("a")), ("z".to_string(), 3));
+        assert_eq!(row.named(), 2, "read in another order: found again");
+        let row = next!();
+        assert_eq!((row.text("b").expect("b"), row.integer("a").expect("a")), ("w".to_string(), 4));
+        assert_eq!(row.named(), 0, "and recorded in their new places");
     }
 
     #[test]
