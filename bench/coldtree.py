@@ -4,25 +4,16 @@ $WORK/coldtree.id; `read` times 15 reads each of its whole tree and of its
 active path (GET /v1/conversations/{id}, ?path=1) and prints p50 and min.
 Driven by bench/coldtree.sh, which restarts Arbor between the two so that
 nothing of the conversation is in memory."""
-import http.client
 import json
 import os
 import sys
 import time
 
+import arbor_api
+
 
 def main(mode, work, messages=0):
-    connection = http.client.HTTPConnection("127.0.0.1", 8080, timeout=60)
-    key = os.environ["ARBOR_BENCH_KEY"]
-
-    def call(method, path, body=None):
-        headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
-        response = connection.getresponse()
-        data = response.read()
-        if response.status >= 300:
-            raise SystemExit(f"{method} {path} answered {response.status}: {data[:300]!r}")
-        return data
+    call = arbor_api.client()
 
     id_file = os.path.join(work, "coldtree.id")
     if mode == "record":

@@ -8,27 +8,15 @@ end. Used by bench/treemem.sh.
     python3 bench/treemem.py BASE_URL PID CONVERSATIONS MESSAGES
 """
 
-import http.client
 import json
-import os
 import sys
 import time
-from urllib.parse import urlparse
+
+import arbor_api
 
 
 def main(base_url, pid, conversations, messages):
-    url = urlparse(base_url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    key = os.environ["ARBOR_BENCH_KEY"]
-
-    def call(method, path, body=None):
-        headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
-        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
-        response = connection.getresponse()
-        data = response.read()
-        if response.status >= 300:
-            raise SystemExit(f"{method} {path} answered {response.status}: {data[:300]!r}")
-        return data
+    call = arbor_api.client(base_url)
 
     def status(label):
         fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
