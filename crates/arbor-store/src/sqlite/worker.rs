@@ -334,8 +334,9 @@ impl WalLength {
     }
 
     /// How many durable commits so far held [`GATHER_FROM`] or more
-    /// waited-on writes: when it moved between two looks, the core is
-    /// short and the checkpointing thread looks less often (see `mod.rs`).
+    /// waited-on writes: when it moves fast enough between two looks, the
+    /// core is short and the checkpointing thread looks less often
+    /// (`writer_behind` in `mod.rs`).
     pub fn gathered(&self) -> u32 {
         self.0.gathered.load(Ordering::Relaxed)
     }
