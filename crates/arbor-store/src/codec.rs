@@ -203,6 +203,23 @@ pub(crate) struct SqliteRow<'a, 'r> {
 #[derive(Default)]
 pub(crate) struct ColumnPlaces(RefCell<Vec<(&'static str, usize)>>);
 
+impl ColumnPlaces {
+    /// Where the `nth` column read is, when it is the one recorded there.
+    fn known(&self, nth: usize, column: &str) -> Option<usize> {
+        self.0.borrow().get(nth).and_then(|&(name, index)| (name == column).then_some(index))
+    }
+
+    /// Records that the `nth` column read, `column`, is at `index`.
+    fn record(&self, nth: usize, column: &'static str, index: usize) {
+        let mut places = self.0.borrow_mut();
+        if let Some(place) = places.get_mut(nth) {
+            *place = (column, index);
+        } else if nth == places.len() {
+            places.push((column, index));
+        }
+    }
+}
+
 impl<'a, 'r> SqliteRow<'a, 'r> {
     /// A row read alone (one row, or the first of a query without places).
     pub(crate) fn new(row: &'a rusqlite::Row<'r>) -> Self {
@@ -217,18 +234,12 @@ impl<'a, 'r> SqliteRow<'a, 'r> {
     fn get<T: rusqlite::types::FromSql>(&self, column: &'static str) -> rusqlite::Result<T> {
         let nth = self.read.get();
         self.read.set(nth + 1);
-        let known = self.places.and_then(|places| places.0.borrow().get(nth).copied());
-        let index = match known {
-            Some((name, index)) if name == column => index,
-            _ => {
+        let index = match self.places.and_then(|places| places.known(nth, column)) {
+            Some(index) => index,
+            None => {
                 let index = self.find(column)?;
                 if let Some(places) = self.places {
-                    let mut places = places.0.borrow_mut();
-                    match nth.cmp(&places.len()) {
-                        std::cmp::Ordering::Less => places[nth] = (column, index),
-                        std::cmp::Ordering::Equal => places.push((column, index)),
-                        std::cmp::Ordering::Greater => {}
-                    }
+                    places.record(nth, column, index);
                 }
                 index
             }
